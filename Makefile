@@ -1,0 +1,49 @@
+# megazero: every target sets itself up; `make pretrain-gpt2` and `make test` work on a fresh clone.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# A pinned torch (the CPU wheel where one is on local disk); override e.g. for a CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+INSTALL_STAMP := $(VENV)/.megazero-installed
+DATA_DIR ?= data
+CORPUS_DIR := $(DATA_DIR)/shakespeare
+DATA_PREFIX := $(DATA_DIR)/gpt2/shakespeare
+DATA_STAMP := $(DATA_PREFIX)_train_text_document.idx
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: install data pretrain-gpt2 test test-fast lint bench clean
+
+install: $(INSTALL_STAMP)
+
+$(INSTALL_STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
+	$(BIN)/pip install -q --disable-pip-version-check -e ".[dev]"
+	@touch $@
+
+data: $(DATA_STAMP)
+
+$(DATA_STAMP): $(INSTALL_STAMP) scripts/fetch_corpus.py scripts/preprocess_data.py
+	$(BIN)/python scripts/fetch_corpus.py --out $(CORPUS_DIR)
+	$(BIN)/python scripts/preprocess_data.py --input $(CORPUS_DIR) --output-prefix $(DATA_PREFIX) \
+		--vocab-size 8000 --valid-fraction 0.05
+
+pretrain-gpt2: install data
+	bash scripts/pretrain_gpt2.sh $(ARGS)
+
+test: install
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+lint: install
+	$(BIN)/ruff check megazero models scripts tests benchmarks
+
+bench: install data
+	$(BIN)/python benchmarks/bench_data_parallel.py $(ARGS)
+
+clean:
+	rm -rf checkpoints runs wandb benchmarks/results .pytest_cache

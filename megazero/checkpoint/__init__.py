@@ -1,0 +1,11 @@
+"""Checkpoints: atomic, pickle-free files and the engine's state in them."""
+
+from megazero.checkpoint.io import (
+    CheckpointError,
+    atomic_checkpoint_dir,
+    load_file,
+    read_latest,
+    save_file,
+)
+
+__all__ = ["CheckpointError", "atomic_checkpoint_dir", "load_file", "read_latest", "save_file"]

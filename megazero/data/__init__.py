@@ -1,0 +1,14 @@
+"""Tokenizer, indexed memory-mapped datasets, GPT samples and a resumable data-parallel loader."""
+
+from megazero.data.gpt_dataset import GPTDataset
+from megazero.data.indexed_dataset import (
+    DatasetFormatError,
+    IndexedDataset,
+    best_dtype,
+    write_indexed_dataset,
+)
+from megazero.data.loader import DistributedBatchLoader, collate
+from megazero.data.tokenizer import SentencePieceTokenizer, train_sentencepiece
+
+__all__ = ["GPTDataset", "IndexedDataset", "DatasetFormatError", "best_dtype", "write_indexed_dataset",
+           "DistributedBatchLoader", "collate", "SentencePieceTokenizer", "train_sentencepiece"]

@@ -1,0 +1,181 @@
+"""The training engine (DeepSpeed's shape): forward, backward, step, checkpoints.
+
+It composes the parts that do the work: the gradient buffer (data-parallel reduction), the master
+weights and loss scaler (precision), the optimizer and LR schedule, the checkpoint writer and the
+monitor. One optimizer step, at the gradient-accumulation boundary, is: wait for the gradient
+buckets, unscale, check for overflow, clip by the global norm, step the optimizer on the fp32
+master weights, copy them into the model, advance the LR schedule and the loss scale.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import torch.distributed as dist
+
+from megazero.config import EngineConfig
+from megazero.data_parallel import GradientBuffer
+from megazero.monitor import Monitor
+from megazero.precision import LossScaler, MasterParams
+from megazero.profiling.timers import Timers
+
+
+class Engine(torch.nn.Module):
+    """Wraps a model for data-parallel, mixed-precision training with gradient accumulation."""
+
+    def __init__(self, model: torch.nn.Module, config: EngineConfig, optimizer: torch.optim.Optimizer,
+                 master: MasterParams, lr_scheduler, dp_group: dist.ProcessGroup | None,
+                 training_dataloader=None):
+        super().__init__()
+        self.module = model
+        self.config = config
+        self.optimizer = optimizer
+        self.master = master
+        self.lr_scheduler = lr_scheduler
+        self.dp_group = dp_group
+        self.dp_rank = dist.get_rank(dp_group) if dist.is_initialized() else 0
+        self.dp_world_size = dist.get_world_size(dp_group) if dist.is_initialized() else 1
+        self.global_rank = dist.get_rank() if dist.is_initialized() else 0
+        self.training_dataloader = training_dataloader
+        self.grads = GradientBuffer(list(model.parameters()), dp_group,
+                                    config.zero_optimization.reduce_bucket_size,
+                                    overlap=config.zero_optimization.overlap_comm)
+        self.loss_scaler = LossScaler.from_config(config.fp16)
+        self.monitor = Monitor(config.tensorboard, config.wandb, rank=self.global_rank)
+        self.timers = Timers(enabled=config.wall_clock_breakdown)
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.global_samples = 0
+        self.skipped_steps = 0
+        self.last_grad_norm: float | None = None
+        self.last_step_overflowed = False
+
+    # ---- DeepSpeed's getters -------------------------------------------------------------
+    def train_batch_size(self) -> int:
+        """Samples per optimizer step, over all data-parallel ranks."""
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        """Samples per forward/backward on one rank."""
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-steps per optimizer step."""
+        return self.config.gradient_accumulation_steps
+
+    def get_lr(self) -> list[float]:
+        """Current learning rate of each param group."""
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_loss_scale(self) -> float:
+        """The loss scale the next backward uses (1.0 unless fp16)."""
+        return self.loss_scaler.scale
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the current micro-step's step() will update the weights."""
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    # ---- the training step -------------------------------------------------------------
+    def forward(self, *inputs, **kwargs):
+        """Run the wrapped model."""
+        self.timers("forward").start()
+        out = self.module(*inputs, **kwargs)
+        self.timers("forward").stop()
+        return out
+
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """Backward of loss * loss_scale / accumulation_steps; reduces gradients on the boundary."""
+        self.grads.sync_this_micro_step = self.is_gradient_accumulation_boundary()
+        self.timers("backward").start()
+        scaled = loss.float() * (self.loss_scaler.scale / self.gradient_accumulation_steps())
+        scaled.backward()
+        self.timers("backward").stop()
+        return loss
+
+    def step(self) -> None:
+        """End a micro-step; on the accumulation boundary, update the weights."""
+        if self.is_gradient_accumulation_boundary():
+            self.timers("step").start()
+            self._optimizer_step()
+            self.timers("step").stop()
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
+            if self.global_steps % self.config.steps_per_print == 0:
+                self._report_progress()
+        self.micro_steps += 1
+
+    def _optimizer_step(self) -> None:
+        self.timers("backward_reduce").start()
+        self.grads.finish_reduction()
+        self.timers("backward_reduce").stop()
+        flat = self.grads.buffer
+        scale = self.loss_scaler.scale
+        grad_norm = torch.linalg.vector_norm(flat).item() / scale
+        overflow = not math.isfinite(grad_norm)
+        self.last_step_overflowed = overflow
+        self.last_grad_norm = grad_norm
+        if overflow:
+            self.skipped_steps += 1
+            self.grads.zero()
+            self.loss_scaler.update(True)
+            return
+        divisor = scale
+        clip = self.config.gradient_clipping
+        if clip > 0 and grad_norm > clip:
+            divisor = scale * (grad_norm + 1e-6) / clip
+        if divisor != 1.0:
+            flat.mul_(1.0 / divisor)
+        self.timers("optimizer").start()
+        self.master.attach_grads(self.grads)
+        self.optimizer.step()
+        self.master.detach_grads()
+        self.master.copy_to_model()
+        self.timers("optimizer").stop()
+        self.grads.zero()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.loss_scaler.update(False)
+
+    def train_batch(self, data_iter) -> torch.Tensor:
+        """One optimizer step: gradient_accumulation_steps micro-batches from `data_iter`.
+
+        Each batch is a mapping passed as keyword arguments to the model, which returns the loss.
+        Returns the mean loss over the micro-batches (this rank).
+        """
+        total = 0.0
+        for _ in range(self.gradient_accumulation_steps()):
+            batch = next(data_iter)
+            loss = self(**batch) if isinstance(batch, dict) else self(*batch)
+            self.backward(loss)
+            self.step()
+            total += loss.detach().float().item()
+        return torch.tensor(total / self.gradient_accumulation_steps())
+
+    def _report_progress(self) -> None:
+        if self.global_rank == 0:
+            lrs = ", ".join(f"{lr:.6g}" for lr in self.get_lr())
+            print(f"[megazero] step={self.global_steps} skipped={self.skipped_steps} lr=[{lrs}] "
+                  f"loss_scale={self.loss_scaler.scale:g}", flush=True)
+        if self.timers.enabled:
+            self.timers.log(["forward", "backward", "backward_reduce", "step", "optimizer"],
+                            group=None, rank=self.global_rank)
+
+    # ---- checkpoints -------------------------------------------------------------------
+    def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None,
+                        client_state: dict | None = None) -> str:
+        """Write a checkpoint atomically under save_dir/tag (default 'global_step{N}'); update 'latest'."""
+        from megazero.checkpoint.engine_state import save_engine_checkpoint
+
+        return save_engine_checkpoint(self, save_dir, tag, client_state or {})
+
+    def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True):
+        """Load save_dir/tag (default: the tag named by 'latest'); returns (path, client_state).
+
+        Returns (None, None) when there is no checkpoint to load.
+        """
+        from megazero.checkpoint.engine_state import load_engine_checkpoint
+
+        return load_engine_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)

@@ -1,0 +1,258 @@
+"""Pretrain a GPT with the megazero engine (Megatron-style flags plus an engine JSON config).
+
+Launch with torchrun (or srun/mpirun); a plain `python` run is world size 1. Resumes from --load
+when it holds a checkpoint. See scripts/pretrain_gpt2.sh for the `make pretrain-gpt2` recipe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import megazero  # noqa: E402
+from megazero.config import load_config_source  # noqa: E402
+from megazero.data import DistributedBatchLoader, GPTDataset, IndexedDataset, SentencePieceTokenizer  # noqa: E402
+from megazero.profiling import gpt_flops_per_token, measure_peak_flops  # noqa: E402
+from models.gpt import GPT, GPTConfig  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model-config", default=os.path.join(REPO, "configs", "gpt2_cpu.json"))
+    p.add_argument("--num-layers", type=int)
+    p.add_argument("--hidden-size", type=int)
+    p.add_argument("--num-attention-heads", type=int)
+    p.add_argument("--seq-length", type=int)
+    p.add_argument("--dropout", type=float)
+    p.add_argument("--micro-batch-size", type=int, help="overrides train_micro_batch_size_per_gpu")
+    p.add_argument("--global-batch-size", type=int, help="overrides train_batch_size")
+    p.add_argument("--train-iters", type=int, default=500)
+    p.add_argument("--train-minutes", type=float, default=None,
+                   help="stop (saving a checkpoint) after this much training time in this run")
+    p.add_argument("--lr", type=float, help="overrides the optimizer's lr")
+    p.add_argument("--data-path", required=True,
+                   help="prefix P of P_train_text_document and P_valid_text_document (.bin/.idx)")
+    p.add_argument("--tokenizer-model", default=None, help="default: P_tokenizer.model")
+    p.add_argument("--save", default=None)
+    p.add_argument("--load", default=None)
+    p.add_argument("--save-interval", type=int, default=100)
+    p.add_argument("--eval-interval", type=int, default=100)
+    p.add_argument("--eval-iters", type=int, default=20)
+    p.add_argument("--log-interval", type=int, default=10)
+    p.add_argument("--tensorboard-dir", default=None)
+    p.add_argument("--wandb", action="store_true", help="log to wandb (offline unless WANDB_API_KEY is set)")
+    precision = p.add_mutually_exclusive_group()
+    precision.add_argument("--bf16", action="store_true")
+    precision.add_argument("--fp16", action="store_true")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--peak-flops", type=float, default=None,
+                   help="per-rank peak FLOP/s for MFU (default: measured by a matmul probe)")
+    p.add_argument("--sample-prompt", default="ROMEO:\n")
+    p.add_argument("--sample-tokens", type=int, default=120)
+    megazero.add_config_arguments(p)
+    args = p.parse_args(argv)
+    if args.megazero_config is None:
+        args.megazero_config = os.path.join(REPO, "configs", "ds_gpt2_cpu.json")
+    if args.tokenizer_model is None:
+        args.tokenizer_model = args.data_path + "_tokenizer.model"
+    return args
+
+
+def engine_config(args: argparse.Namespace) -> dict:
+    """The engine JSON with the Megatron-style flags applied on top."""
+    config = load_config_source(args.megazero_config)
+    if args.micro_batch_size is not None:
+        config["train_micro_batch_size_per_gpu"] = args.micro_batch_size
+    if args.global_batch_size is not None:
+        config["train_batch_size"] = args.global_batch_size
+    if args.lr is not None:
+        config.setdefault("optimizer", {"type": "AdamW", "params": {}}).setdefault("params", {})["lr"] = args.lr
+        scheduler = config.get("scheduler", {})
+        if scheduler.get("type") in ("WarmupLR", "WarmupDecayLR"):
+            scheduler["params"]["warmup_max_lr"] = args.lr
+    if config.get("scheduler", {}).get("type") in ("WarmupDecayLR", "WarmupCosineLR"):
+        config["scheduler"]["params"]["total_num_steps"] = args.train_iters
+    if args.bf16:
+        config["bf16"] = {"enabled": True}
+        config.pop("fp16", None)
+    if args.fp16:
+        config["fp16"] = {**config.get("fp16", {}), "enabled": True}
+        config.pop("bf16", None)
+    if args.tensorboard_dir:
+        config["tensorboard"] = {"enabled": True, "output_path": args.tensorboard_dir, "job_name": ""}
+    if args.wandb:
+        config["wandb"] = {**config.get("wandb", {}), "enabled": True}
+    return config
+
+
+def build_model(args: argparse.Namespace, vocab_size: int) -> GPT:
+    """GPT from --model-config with the size flags applied."""
+    config = GPTConfig.from_json(args.model_config, vocab_size=vocab_size, num_layers=args.num_layers,
+                                 hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+                                 seq_length=args.seq_length, dropout=args.dropout)
+    return GPT(config)
+
+
+def param_groups(model: torch.nn.Module) -> list[dict]:
+    """Weight decay on matrices only (not on biases, LayerNorm or positions' 1-D params)."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+@torch.no_grad()
+def evaluate(engine, dataset: GPTDataset, micro_batch: int, iters: int) -> float:
+    """Mean loss over the first iters * micro_batch * dp samples of the validation set (all ranks)."""
+    engine.eval()
+    samples = min(len(dataset), iters * micro_batch * engine.dp_world_size)
+    loader = DistributedBatchLoader(dataset, micro_batch, engine.dp_rank, engine.dp_world_size, num_samples=samples)
+    total = torch.zeros(2, dtype=torch.float64)
+    for batch in loader:
+        total[0] += engine(batch["input_ids"], batch["labels"]).double().item()
+        total[1] += 1
+    if dist.is_initialized():
+        dist.all_reduce(total, group=engine.dp_group)
+    engine.train()
+    return (total[0] / total[1]).item()
+
+
+def average_across_ranks(value: float, group) -> float:
+    """Mean of a float over the data-parallel group."""
+    t = torch.tensor([value], dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(t, group=group)
+        t /= dist.get_world_size(group)
+    return t.item()
+
+
+def sample_text(model: GPT, tokenizer: SentencePieceTokenizer, prompt: str, tokens: int, seed: int) -> str:
+    """A short sampled continuation of `prompt` (temperature 0.8, top-k 40)."""
+    torch.manual_seed(seed)
+    model.eval()
+    ids = torch.tensor([tokenizer.encode(prompt)], dtype=torch.long)
+    out = model.generate(ids, tokens, temperature=0.8, top_k=40, vocab_size=tokenizer.vocab_size)
+    model.train()
+    return tokenizer.decode(out[0].tolist())
+
+
+class ProgressLog:
+    """Megatron-style console lines and TensorBoard/wandb scalars, every log_interval iterations."""
+
+    def __init__(self, engine, args, flops_per_token: float, peak_flops: float, rank: int):
+        self.engine, self.args, self.rank = engine, args, rank
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        self.losses: list[float] = []
+        self.window_start = time.perf_counter()
+        self.run_start_iter = engine.global_steps
+        self.run_start = time.perf_counter()
+
+    def record(self, loss: float) -> None:
+        self.losses.append(loss)
+        it = self.engine.global_steps
+        if it % self.args.log_interval and it != self.args.train_iters:
+            return
+        elapsed = time.perf_counter() - self.window_start
+        iters = len(self.losses)
+        loss_avg = average_across_ranks(sum(self.losses) / iters, self.engine.dp_group)
+        tokens_per_s = iters * self.engine.train_batch_size() * self.args.seq_length / elapsed
+        mfu = tokens_per_s * self.flops_per_token / (self.peak_flops * self.engine.dp_world_size)
+        done = it - self.run_start_iter
+        eta = (time.perf_counter() - self.run_start) / max(done, 1) * (self.args.train_iters - it)
+        if self.rank == 0:
+            grad_norm = self.engine.last_grad_norm or 0.0
+            print(f" iteration {it:6d}/{self.args.train_iters} | consumed samples {self.engine.global_samples:8d} | "
+                  f"elapsed time per iteration (ms): {1000 * elapsed / iters:7.1f} | lm loss: {loss_avg:.4f} | "
+                  f"learning rate: {self.engine.get_lr()[0]:.3e} | loss scale: {self.engine.get_loss_scale():g} | "
+                  f"grad norm: {grad_norm:.3f} | skipped: {self.engine.skipped_steps} | "
+                  f"tokens/s: {tokens_per_s:,.0f} | MFU: {100 * mfu:.1f}% | ETA: {eta / 60:.1f} min", flush=True)
+        self.engine.monitor.write(it, {
+            "lm loss": loss_avg, "learning-rate": self.engine.get_lr()[0],
+            "loss-scale": self.engine.get_loss_scale(), "grad-norm": self.engine.last_grad_norm or 0.0,
+            "iteration-time": elapsed / iters, "throughput/tokens-per-sec": tokens_per_s,
+            "throughput/mfu": mfu})
+        self.losses = []
+        self.window_start = time.perf_counter()
+
+
+def run_evaluation(engine, valid: GPTDataset, args, rank: int, unigram: float | None) -> float:
+    """Evaluate, print and log validation loss and perplexity."""
+    loss = evaluate(engine, valid, engine.train_micro_batch_size_per_gpu(), args.eval_iters)
+    it = engine.global_steps
+    if rank == 0:
+        ref = f" (unigram entropy {unigram:.3f})" if unigram is not None else ""
+        print(f" validation at iteration {it} | lm loss: {loss:.4f} | lm loss PPL: {math.exp(loss):.2f}{ref}",
+              flush=True)
+    engine.monitor.write(it, {"lm loss validation": loss, "lm loss validation ppl": math.exp(loss)})
+    engine.monitor.flush()
+    return loss
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+    megazero.init_distributed()
+    rank = dist.get_rank()
+    megazero.set_seed(args.seed)
+    tokenizer = SentencePieceTokenizer(args.tokenizer_model)
+    model = build_model(args, tokenizer.vocab_size)
+    args.seq_length = model.config.seq_length
+    train = GPTDataset(IndexedDataset(args.data_path + "_train_text_document"), args.seq_length, seed=args.seed)
+    valid = GPTDataset(IndexedDataset(args.data_path + "_valid_text_document"), args.seq_length, shuffle=False)
+    engine, _, loader, _ = megazero.initialize(args=args, model=model, model_parameters=param_groups(model),
+                                               training_data=train, config=engine_config(args))
+    if args.load:
+        path, _ = engine.load_checkpoint(args.load)
+        if path and rank == 0:
+            print(f"resumed from {path} at iteration {engine.global_steps}", flush=True)
+    stats_path = args.data_path + "_stats.json"
+    unigram = json.load(open(stats_path)).get("unigram_entropy_nats") if os.path.exists(stats_path) else None
+    peak = args.peak_flops or measure_peak_flops(seconds=0.3, cache_path=os.path.join(REPO, ".cache", "peak.json"))
+    flops = gpt_flops_per_token(model.num_parameters(), model.config.num_layers, model.config.hidden_size,
+                                args.seq_length)
+    if rank == 0:
+        print(f"GPT: {model.num_parameters():,} parameters, {dist.get_world_size()} ranks, "
+              f"batch {engine.train_batch_size()} = {engine.train_micro_batch_size_per_gpu()} x "
+              f"{engine.gradient_accumulation_steps()} x {engine.dp_world_size}, {engine.config.compute_dtype}, "
+              f"peak {peak / 1e9:.1f} GFLOP/s per rank", flush=True)
+    log = ProgressLog(engine, args, flops, peak, rank)
+    data_iter = iter(loader)
+    start = time.perf_counter()
+    val_loss = None
+    while engine.global_steps < args.train_iters:
+        loss = engine.train_batch(data_iter)
+        log.record(loss.item())
+        it = engine.global_steps
+        out_of_time = args.train_minutes is not None and time.perf_counter() - start > 60 * args.train_minutes
+        out_of_time = bool(average_across_ranks(float(out_of_time), None) > 0)  # every rank stops together
+        if it % args.eval_interval == 0 or it == args.train_iters:
+            val_loss = run_evaluation(engine, valid, args, rank, unigram)
+        if args.save and (it % args.save_interval == 0 or it == args.train_iters or out_of_time):
+            engine.save_checkpoint(args.save, client_state={"iteration": it})
+        if out_of_time:
+            if rank == 0:
+                print(f"time budget of {args.train_minutes} min reached at iteration {it}", flush=True)
+            break
+    if val_loss is None:
+        val_loss = run_evaluation(engine, valid, args, rank, unigram)
+    if rank == 0:
+        print("----- sample -----\n" + sample_text(model, tokenizer, args.sample_prompt, args.sample_tokens, args.seed)
+              + "\n------------------", flush=True)
+    engine.monitor.close()
+    result = {"iteration": engine.global_steps, "val_loss": val_loss, "unigram_entropy": unigram}
+    dist.barrier()
+    dist.destroy_process_group()
+    return result
+
+
+if __name__ == "__main__":
+    main()
