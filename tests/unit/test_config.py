@@ -1,0 +1,87 @@
+"""Config validation: the batch triad, unknown keys, types and ranges."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megazero.config import ConfigError, parse_config, resolve_batch_triad
+
+
+@pytest.mark.parametrize("given, dp, expected", [
+    ((32, 4, 2), 4, (32, 4, 2)),
+    ((32, 4, None), 4, (32, 4, 2)),
+    ((32, None, 2), 4, (32, 4, 2)),
+    ((None, 4, 2), 4, (32, 4, 2)),
+    ((32, None, None), 4, (32, 8, 1)),
+    ((None, 4, None), 4, (16, 4, 1)),
+    ((8, 8, None), 1, (8, 8, 1)),
+])
+def test_batch_triad(given, dp, expected):
+    assert resolve_batch_triad(*given, dp) == expected
+
+
+def test_inconsistent_triad_shows_the_arithmetic():
+    with pytest.raises(ConfigError, match=r"train_batch_size 30 != .* 4 x .* 2 x data-parallel size 4 = 32"):
+        resolve_batch_triad(30, 4, 2, 4)
+
+
+def test_indivisible_batch_is_an_error():
+    with pytest.raises(ConfigError, match="not divisible"):
+        resolve_batch_triad(30, 4, None, 4)
+    with pytest.raises(ConfigError, match="set 'train_batch_size' or"):
+        resolve_batch_triad(None, None, 2, 1)
+    with pytest.raises(ConfigError, match="must be >= 1"):
+        resolve_batch_triad(0, None, None, 1)
+
+
+def test_data_parallel_size_is_used():
+    config = parse_config({"train_batch_size": 16, "gradient_accumulation_steps": 2}, data_parallel_size=4)
+    assert (config.train_micro_batch_size_per_gpu, config.data_parallel_size) == (2, 4)
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"train_batch_size": 8, "gradient_clippin": 1.0}, "unknown key 'gradient_clippin' (did you mean 'gradient_clipping'?)"),
+    ({"train_batch_size": 8, "fp16": {"enabled": True, "loss_scale_windo": 10}},
+     "unknown key 'fp16.loss_scale_windo' (did you mean 'loss_scale_window'?)"),
+    ({"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "beta": [0.9, 0.9]}}},
+     "unknown key 'optimizer.params.beta' (did you mean 'betas'?)"),
+    ({"train_batch_size": 8, "optimizer": {"type": "Adamw2"}}, "'optimizer.type' 'Adamw2' is not supported"),
+    ({"train_batch_size": 8, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_step": 5}}},
+     "unknown key 'scheduler.params.warmup_num_step' (did you mean 'warmup_num_steps'?)"),
+    ({"train_batch_size": 8, "scheduler": {"type": "Cosine"}}, "'scheduler.type' 'Cosine' is not a known scheduler"),
+    ({"train_batch_size": "8"}, "'train_batch_size' must be int, got str '8'"),
+    ({"train_batch_size": 8, "fp16": {"enabled": "yes"}}, "'fp16.enabled' must be bool"),
+    ({"train_batch_size": 8, "fp16": {"enabled": True}, "bf16": {"enabled": True}}, "both true"),
+    ({"train_batch_size": 8, "gradient_clipping": -1}, "'gradient_clipping' must be >= 0"),
+    ({"train_batch_size": 8, "fp16": {"hysteresis": 0}}, "'fp16.hysteresis' must be >= 1"),
+    ({"train_batch_size": 8, "zero_optimization": {"stage": 4}}, "'zero_optimization.stage' must be 0, 1, 2 or 3"),
+    ({"train_batch_size": 8, "zero_optimization": {"stage": 2}}, "not implemented yet"),
+    ({"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"lr": -1.0}}}, "'optimizer.params.lr' must be >= 0"),
+])
+def test_bad_config_names_the_key(raw, message):
+    with pytest.raises(ConfigError) as info:
+        parse_config(raw, 1)
+    assert message in str(info.value)
+
+
+def test_defaults_follow_deepspeed():
+    config = parse_config({"train_batch_size": 8, "fp16": {"enabled": True}}, 1)
+    assert config.fp16.initial_scale_power == 16 and config.fp16.loss_scale_window == 1000
+    assert config.fp16.hysteresis == 2 and config.fp16.min_loss_scale == 1.0 and config.fp16.loss_scale == 0
+    assert config.gradient_clipping == 0.0 and config.steps_per_print == 10
+    assert config.zero_optimization.stage == 0 and config.zero_optimization.reduce_bucket_size == 500_000_000
+
+
+def test_json_file(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+                                "zero_optimization": {"reduce_bucket_size": 5e7}}))
+    config = parse_config(str(path), 2)
+    assert config.train_batch_size == 4 and config.zero_optimization.reduce_bucket_size == 50_000_000
+    with pytest.raises(ConfigError, match="not found"):
+        parse_config(str(tmp_path / "missing.json"), 1)
+    (tmp_path / "bad.json").write_text("{oops")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        parse_config(str(tmp_path / "bad.json"), 1)
