@@ -42,7 +42,8 @@ def test_data_parallel_size_is_used():
 
 
 @pytest.mark.parametrize("raw, message", [
-    ({"train_batch_size": 8, "gradient_clippin": 1.0}, "unknown key 'gradient_clippin' (did you mean 'gradient_clipping'?)"),
+    ({"train_batch_size": 8, "gradient_clippin": 1.0},
+     "unknown key 'gradient_clippin' (did you mean 'gradient_clipping'?)"),
     ({"train_batch_size": 8, "fp16": {"enabled": True, "loss_scale_windo": 10}},
      "unknown key 'fp16.loss_scale_windo' (did you mean 'loss_scale_window'?)"),
     ({"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "beta": [0.9, 0.9]}}},
@@ -58,7 +59,8 @@ def test_data_parallel_size_is_used():
     ({"train_batch_size": 8, "fp16": {"hysteresis": 0}}, "'fp16.hysteresis' must be >= 1"),
     ({"train_batch_size": 8, "zero_optimization": {"stage": 4}}, "'zero_optimization.stage' must be 0, 1, 2 or 3"),
     ({"train_batch_size": 8, "zero_optimization": {"stage": 2}}, "not implemented yet"),
-    ({"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"lr": -1.0}}}, "'optimizer.params.lr' must be >= 0"),
+    ({"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"lr": -1.0}}},
+     "'optimizer.params.lr' must be >= 0"),
 ])
 def test_bad_config_names_the_key(raw, message):
     with pytest.raises(ConfigError) as info:
