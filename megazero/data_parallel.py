@@ -22,7 +22,6 @@ class _Bucket:
     start: int
     end: int
     params: list[torch.nn.Parameter]
-    pending: int = 0
     work: dist.Work | None = None
     arrived: set = field(default_factory=set)
 
@@ -55,6 +54,9 @@ class GradientBuffer:
             self._add_bucket(bucket_start, offset, bucket_params)
         self.sync_this_micro_step = True
         self._next_to_launch = 0
+        # parameters whose slice holds a gradient of the current accumulation window; the first
+        # gradient of a window is copied in (no separate zeroing pass), later ones are added
+        self._written: set[torch.nn.Parameter] = set()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
 
     def _add_bucket(self, start: int, end: int, params: list) -> None:
@@ -68,7 +70,11 @@ class GradientBuffer:
         return self.views[param]
 
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
-        self.views[param].add_(param.grad)
+        if param in self._written:
+            self.views[param].add_(param.grad)
+        else:
+            self.views[param].copy_(param.grad)
+            self._written.add(param)
         param.grad = None
         if not (self.sync_this_micro_step and self.overlap and self.world_size > 1):
             return
@@ -86,6 +92,11 @@ class GradientBuffer:
 
     def finish_reduction(self) -> None:
         """Launch any bucket not yet started (e.g. unused parameters) and wait for all of them."""
+        if len(self._written) != len(self.params):
+            for p in self.params:  # no gradient this window: its slice must read as zero
+                if p not in self._written:
+                    self.views[p].zero_()
+                    self._written.add(p)
         if self.world_size > 1:
             while self._next_to_launch < len(self.buckets):
                 self._launch(self.buckets[self._next_to_launch])
@@ -102,8 +113,9 @@ class GradientBuffer:
         self._next_to_launch = 0
 
     def zero(self) -> None:
-        """Clear the accumulated gradients (after a step, or a skipped one)."""
-        self.buffer.zero_()
+        """Start a new accumulation window (after a step, or a skipped one): the slices are
+        overwritten by the next gradients rather than cleared now."""
+        self._written.clear()
         self._reset_buckets()
 
     @property

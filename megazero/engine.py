@@ -51,6 +51,8 @@ class Engine(torch.nn.Module):
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
         self.last_step_overflowed = False
+        self._optimizer_unscales = (isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+                                    and bool(optimizer.defaults.get("fused")))
 
     # ---- DeepSpeed's getters -------------------------------------------------------------
     def train_batch_size(self) -> int:
@@ -125,11 +127,15 @@ class Engine(torch.nn.Module):
         clip = self.config.gradient_clipping
         if clip > 0 and grad_norm > clip:
             divisor = scale * (grad_norm + 1e-6) / clip
-        if divisor != 1.0:
-            flat.mul_(1.0 / divisor)
         self.timers("optimizer").start()
         self.master.attach_grads(self.grads)
+        if divisor != 1.0 and self._optimizer_unscales:
+            # torch's fused Adam divides by grad_scale inside its own pass: no extra pass over the grads
+            self.optimizer.grad_scale = torch.tensor(divisor, dtype=torch.float32, device=flat.device)
+        elif divisor != 1.0:
+            flat.mul_(1.0 / divisor)
         self.optimizer.step()
+        self.optimizer.grad_scale = None
         self.master.detach_grads()
         self.master.copy_to_model()
         self.timers("optimizer").stop()
