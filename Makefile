@@ -33,7 +33,7 @@ $(DATA_STAMP): $(INSTALL_STAMP) scripts/fetch_corpus.py scripts/preprocess_data.
 pretrain-gpt2: install data
 	bash scripts/pretrain_gpt2.sh $(ARGS)
 
-test: install
+test: install lint
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 test-fast: install

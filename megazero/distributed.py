@@ -98,3 +98,15 @@ def init_distributed(dist_backend: str | None = None, timeout: datetime.timedelt
         dist.init_process_group(backend=backend, init_method=init_method or "env://", rank=launch.rank,
                                 world_size=launch.world_size, timeout=timeout)
     return launch
+
+
+def all_reduce_values(values: list[float], op: str = "sum", group=None) -> list[float]:
+    """All-reduce a few Python floats (float64) over `group`; works on gloo and NCCL alike."""
+    device = torch.device("cpu")
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+        dist.all_reduce(t, op=ops[op], group=group)
+    return t.tolist()

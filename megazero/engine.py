@@ -152,12 +152,27 @@ class Engine(torch.nn.Module):
         """
         total = 0.0
         for _ in range(self.gradient_accumulation_steps()):
-            batch = next(data_iter)
+            batch = self.to_device(next(data_iter))
             loss = self(**batch) if isinstance(batch, dict) else self(*batch)
             self.backward(loss)
             self.step()
             total += loss.detach().float().item()
         return torch.tensor(total / self.gradient_accumulation_steps())
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model's parameters live."""
+        return self.grads.buffer.device
+
+    def to_device(self, batch):
+        """Move a batch (tensor, or dict/list/tuple of tensors) to the model's device."""
+        if isinstance(batch, torch.Tensor):
+            return batch.to(self.device, non_blocking=True)
+        if isinstance(batch, dict):
+            return {key: self.to_device(value) for key, value in batch.items()}
+        if isinstance(batch, (list, tuple)):
+            return type(batch)(self.to_device(value) for value in batch)
+        return batch
 
     def _report_progress(self) -> None:
         if self.global_rank == 0:

@@ -10,6 +10,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 import time
 
@@ -22,6 +23,7 @@ sys.path.insert(0, REPO)
 import megazero  # noqa: E402
 from megazero.config import load_config_source  # noqa: E402
 from megazero.data import DistributedBatchLoader, GPTDataset, IndexedDataset, SentencePieceTokenizer  # noqa: E402
+from megazero.distributed import all_reduce_values  # noqa: E402
 from megazero.profiling import gpt_flops_per_token, measure_peak_flops  # noqa: E402
 from models.gpt import GPT, GPTConfig  # noqa: E402
 
@@ -116,30 +118,26 @@ def evaluate(engine, dataset: GPTDataset, micro_batch: int, iters: int) -> float
     engine.eval()
     samples = min(len(dataset), iters * micro_batch * engine.dp_world_size)
     loader = DistributedBatchLoader(dataset, micro_batch, engine.dp_rank, engine.dp_world_size, num_samples=samples)
-    total = torch.zeros(2, dtype=torch.float64)
+    loss_sum, batches = 0.0, 0
     for batch in loader:
-        total[0] += engine(batch["input_ids"], batch["labels"]).double().item()
-        total[1] += 1
-    if dist.is_initialized():
-        dist.all_reduce(total, group=engine.dp_group)
+        batch = engine.to_device(batch)
+        loss_sum += engine(batch["input_ids"], batch["labels"]).double().item()
+        batches += 1
+    loss_sum, batches = all_reduce_values([loss_sum, batches], group=engine.dp_group)
     engine.train()
-    return (total[0] / total[1]).item()
+    return loss_sum / batches
 
 
 def average_across_ranks(value: float, group) -> float:
     """Mean of a float over the data-parallel group."""
-    t = torch.tensor([value], dtype=torch.float64)
-    if dist.is_initialized():
-        dist.all_reduce(t, group=group)
-        t /= dist.get_world_size(group)
-    return t.item()
+    return all_reduce_values([value], group=group)[0] / dist.get_world_size(group)
 
 
 def sample_text(model: GPT, tokenizer: SentencePieceTokenizer, prompt: str, tokens: int, seed: int) -> str:
     """A short sampled continuation of `prompt` (temperature 0.8, top-k 40)."""
     torch.manual_seed(seed)
     model.eval()
-    ids = torch.tensor([tokenizer.encode(prompt)], dtype=torch.long)
+    ids = torch.tensor([tokenizer.encode(prompt)], dtype=torch.long, device=next(model.parameters()).device)
     out = model.generate(ids, tokens, temperature=0.8, top_k=40, vocab_size=tokenizer.vocab_size)
     model.train()
     return tokenizer.decode(out[0].tolist())
@@ -197,6 +195,45 @@ def run_evaluation(engine, valid: GPTDataset, args, rank: int, unigram: float | 
     return loss
 
 
+class StopSignal:
+    """Remembers a SIGTERM/SIGUSR1 (Slurm's pre-timeout signal, preemption, scancel) so the loop can
+    save a checkpoint and exit cleanly at the next iteration boundary."""
+
+    def __init__(self, signals=(signal.SIGTERM, signal.SIGUSR1)):
+        self.received: int | None = None
+        for sig in signals:
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signum
+
+
+def train_loop(engine, loader, valid, args, log: ProgressLog, stop: StopSignal, rank: int, unigram):
+    """Train to --train-iters; returns (last validation loss, why it stopped early or None)."""
+    data_iter = iter(loader)
+    start = time.perf_counter()
+    val_loss, reason = None, None
+    while engine.global_steps < args.train_iters:
+        loss = engine.train_batch(data_iter)
+        log.record(loss.item())
+        it = engine.global_steps
+        out_of_time = args.train_minutes is not None and time.perf_counter() - start > 60 * args.train_minutes
+        # every rank must stop at the same iteration: agree on the flags
+        timed_out, signalled = all_reduce_values([float(out_of_time), float(stop.received is not None)], "max")
+        reason = "signal" if signalled else "time" if timed_out else None
+        paused = time.perf_counter()
+        if reason is None and (it % args.eval_interval == 0 or it == args.train_iters):
+            val_loss = run_evaluation(engine, valid, args, rank, unigram)
+        if args.save and (it % args.save_interval == 0 or it == args.train_iters or reason):
+            engine.save_checkpoint(args.save, client_state={"iteration": it})
+        log.window_start += time.perf_counter() - paused  # iteration time excludes evaluation and saving
+        if reason == "time" and rank == 0:
+            print(f"time budget of {args.train_minutes} min reached at iteration {it}", flush=True)
+        if reason:
+            break
+    return val_loss, reason
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
@@ -205,6 +242,8 @@ def main(argv=None) -> dict:
     megazero.set_seed(args.seed)
     tokenizer = SentencePieceTokenizer(args.tokenizer_model)
     model = build_model(args, tokenizer.vocab_size)
+    if torch.cuda.is_available():
+        model = model.cuda(torch.cuda.current_device())
     args.seq_length = model.config.seq_length
     train = GPTDataset(IndexedDataset(args.data_path + "_train_text_document"), args.seq_length, seed=args.seed)
     valid = GPTDataset(IndexedDataset(args.data_path + "_valid_text_document"), args.seq_length, shuffle=False)
@@ -224,27 +263,16 @@ def main(argv=None) -> dict:
               f"batch {engine.train_batch_size()} = {engine.train_micro_batch_size_per_gpu()} x "
               f"{engine.gradient_accumulation_steps()} x {engine.dp_world_size}, {engine.config.compute_dtype}, "
               f"peak {peak / 1e9:.1f} GFLOP/s per rank", flush=True)
-    log = ProgressLog(engine, args, flops, peak, rank)
-    data_iter = iter(loader)
-    start = time.perf_counter()
-    val_loss = None
-    while engine.global_steps < args.train_iters:
-        loss = engine.train_batch(data_iter)
-        log.record(loss.item())
-        it = engine.global_steps
-        out_of_time = args.train_minutes is not None and time.perf_counter() - start > 60 * args.train_minutes
-        out_of_time = bool(average_across_ranks(float(out_of_time), None) > 0)  # every rank stops together
-        if it % args.eval_interval == 0 or it == args.train_iters:
-            val_loss = run_evaluation(engine, valid, args, rank, unigram)
-        if args.save and (it % args.save_interval == 0 or it == args.train_iters or out_of_time):
-            engine.save_checkpoint(args.save, client_state={"iteration": it})
-        if out_of_time:
-            if rank == 0:
-                print(f"time budget of {args.train_minutes} min reached at iteration {it}", flush=True)
-            break
-    if val_loss is None:
+    stop = StopSignal()
+    val_loss, reason = train_loop(engine, loader, valid, args, ProgressLog(engine, args, flops, peak, rank), stop,
+                                  rank, unigram)
+    if reason == "signal":
+        if rank == 0:
+            print(f"received {signal.Signals(stop.received).name}: checkpoint saved at iteration "
+                  f"{engine.global_steps}, exiting", flush=True)
+    elif val_loss is None:
         val_loss = run_evaluation(engine, valid, args, rank, unigram)
-    if rank == 0:
+    if rank == 0 and reason != "signal":
         print("----- sample -----\n" + sample_text(model, tokenizer, args.sample_prompt, args.sample_tokens, args.seed)
               + "\n------------------", flush=True)
     engine.monitor.close()

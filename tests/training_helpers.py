@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
-
 import megazero
 from megazero.data import GPTDataset, IndexedDataset
+from megazero.distributed import all_reduce_values
 from models.gpt import GPT, GPTConfig
 
 TINY = dict(vocab_size=256, seq_length=32, num_layers=2, hidden_size=64, num_attention_heads=4,
@@ -39,9 +37,7 @@ def build_engine(config: dict, prefix: str, seed: int = 0, model_overrides: dict
 
 def global_mean(value: float, engine) -> float:
     """Average a float over the data-parallel group."""
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, group=engine.dp_group)
-    return (t / engine.dp_world_size).item()
+    return all_reduce_values([value], group=engine.dp_group)[0] / engine.dp_world_size
 
 
 def train(config: dict, prefix: str, steps: int, seed: int = 0, save_dir: str | None = None,

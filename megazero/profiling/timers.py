@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.distributed as dist
+
+from megazero.distributed import all_reduce_values
 
 
 class _Timer:
@@ -58,13 +59,11 @@ class Timers:
     def log(self, names: list[str], group=None, rank: int = 0) -> str:
         """Print (on rank 0) each timer's mean with its min and max across ranks; returns the line."""
         means = self.means_ms(names)
-        values = torch.tensor([means[n] for n in names], dtype=torch.float64)
-        low, high = values.clone(), values.clone()
-        if dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
-            dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+        values = [means[n] for n in names]
+        low = all_reduce_values(values, "min", group)
+        high = all_reduce_values(values, "max", group)
         line = " | ".join(f"{n}: {means[n]:.2f} ms (min {lo:.2f}, max {hi:.2f})"
-                          for n, lo, hi in zip(names, low.tolist(), high.tolist()))
+                          for n, lo, hi in zip(names, low, high))
         if rank == 0:
             print(f"[megazero] time per call: {line}", flush=True)
         return line
