@@ -110,7 +110,7 @@ def worker(rank: int, world: int, port: int, args, queue) -> None:
     if rank == 0:
         queue.put({"times": times, "losses": losses, "params": sum(p.numel() for p in model.parameters()),
                    "seq_length": config.seq_length, "train_batch_size": engine.train_batch_size(),
-                   "buckets": engine.grads.bucket_count})
+                   "buckets": engine.dp.bucket_count})
     dist.destroy_process_group()
 
 

@@ -42,19 +42,20 @@ def _data_parallel_group(mpu):
 
 
 def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, model_parameters=None,
-               training_data=None, lr_scheduler=None, mpu=None, config=None, collate_fn=None):
+               training_data=None, lr_scheduler=None, mpu=None, config=None):
     """Build the engine: returns (engine, optimizer, training_dataloader, lr_scheduler).
 
     `config` is a dict or JSON path (or comes from args.megazero_config / args.deepspeed_config).
-    `optimizer` may be a built optimizer, or a callable taking parameters; otherwise the config's
-    `optimizer` block builds one over `model_parameters` (default: all model parameters).
+    `optimizer` may be a built optimizer, or a callable taking param groups; otherwise the config's
+    `optimizer` block builds one over `model_parameters` (params or param-group dicts; default:
+    all model parameters). The optimizer ends up over fp32 master weights (partitioned under ZeRO).
     `lr_scheduler` may be a scheduler or a callable taking the optimizer; otherwise the config's
     `scheduler` block builds one. `mpu` supplies get_data_parallel_group() when model parallelism
     is in use; otherwise the whole world is the data-parallel group.
     """
     from megazero.data.loader import DistributedBatchLoader
     from megazero.optim import build_optimizer, build_scheduler
-    from megazero.precision import MasterParams
+    from megazero.zero import build_data_parallel_state
 
     if model is None:
         raise ValueError("initialize() needs a model")
@@ -67,9 +68,16 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         set_seed(engine_config.seed)
     if engine_config.compute_dtype != torch.float32:
         model = model.to(engine_config.compute_dtype)
-    master = MasterParams(list(model.parameters()))
-    optimizer = _build_or_adopt_optimizer(optimizer, engine_config, model, model_parameters, master,
-                                          build_optimizer)
+    groups = _param_groups(optimizer, model_parameters, model, engine_config)
+    dp_state = build_data_parallel_state(engine_config.zero_optimization, [g["params"] for g in groups], dp_group)
+    optimizer_groups = dp_state.optimizer_groups(groups)
+    if optimizer is None:
+        optimizer = build_optimizer(engine_config.optimizer, optimizer_groups)
+    elif isinstance(optimizer, torch.optim.Optimizer):
+        for group, new in zip(optimizer.param_groups, optimizer_groups):
+            group["params"] = new["params"]
+    else:
+        optimizer = optimizer(optimizer_groups)
     if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
         lr_scheduler = lr_scheduler(optimizer)
     elif lr_scheduler is None and engine_config.scheduler is not None:
@@ -78,7 +86,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     if training_data is not None:
         loader = DistributedBatchLoader(training_data, engine_config.train_micro_batch_size_per_gpu,
                                         dist.get_rank(dp_group), dist.get_world_size(dp_group))
-    engine = Engine(model, engine_config, optimizer, master, lr_scheduler, dp_group, loader)
+    engine = Engine(model, engine_config, optimizer, dp_state, lr_scheduler, dp_group, loader)
     return engine, optimizer, loader, lr_scheduler
 
 
@@ -92,31 +100,31 @@ def _config_source(args, config):
     raise ConfigError("no engine config: pass config= (dict or JSON path) or --megazero_config/--deepspeed_config")
 
 
-def _build_or_adopt_optimizer(optimizer, config: EngineConfig, model, model_parameters, master, build):
-    if optimizer is None:
-        if config.optimizer is None:
+def _param_groups(optimizer, model_parameters, model: torch.nn.Module, config: EngineConfig) -> list[dict]:
+    """The trainable model parameters as param-group dicts, from a built optimizer or model_parameters."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if config.optimizer is not None:
+            raise ConfigError("an optimizer was passed to initialize() and the config has an 'optimizer' block; "
+                              "use one or the other")
+        if optimizer.state:
+            raise ValueError("pass an optimizer that has not stepped yet: its state would not match the master "
+                             "weights the engine creates")
+        groups = [{k: v for k, v in g.items() if k != "params"} | {"params": list(g["params"])}
+                  for g in optimizer.param_groups]
+    else:
+        if optimizer is None and config.optimizer is None:
             raise ConfigError("no optimizer: pass optimizer= or add an 'optimizer' block to the config")
-        params = list(model_parameters) if model_parameters is not None else list(model.parameters())
-        if master.separate:
-            params = _params_to_masters(params, master)
-        return build(config.optimizer, params)
-    if config.optimizer is not None:
-        raise ConfigError("an optimizer was passed to initialize() and the config has an 'optimizer' block; "
-                          "use one or the other")
-    if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
-        params = list(model_parameters) if model_parameters is not None else list(model.parameters())
-        return optimizer(_params_to_masters(params, master) if master.separate else params)
-    master.adopt_optimizer(optimizer)
-    return optimizer
-
-
-def _params_to_masters(params: list, master) -> list:
-    """Swap model parameters for their fp32 masters, keeping param-group dicts."""
-    out = []
-    for item in params:
-        if isinstance(item, dict):
-            out.append({**item, "params": [master.master_of(p) for p in item["params"]]})
-        else:
-            out.append(master.master_of(item))
-    return out
-
+        items = list(model_parameters) if model_parameters is not None else list(model.parameters())
+        groups = [dict(item) if isinstance(item, dict) else None for item in items]
+        if all(g is None for g in groups):
+            groups = [{"params": items}]
+        elif any(g is None for g in groups):
+            raise ValueError("model_parameters mixes tensors and param-group dicts")
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    for g in groups:
+        g["params"] = [p for p in g["params"] if p.requires_grad]
+        for p in g["params"]:
+            if id(p) not in trainable:
+                raise ValueError(f"a parameter of shape {tuple(p.shape)} given to the optimizer is not a "
+                                 f"trainable parameter of the model")
+    return groups

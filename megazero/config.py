@@ -114,7 +114,8 @@ class BF16Config:
 
 @dataclass
 class ZeroConfig:
-    """`zero_optimization`: stage 0 is plain data parallelism with bucketed all-reduce."""
+    """`zero_optimization`: stage 0 is plain data parallelism with bucketed all-reduce; stage 1
+    partitions the fp32 master weights and optimizer states; stage 2 the gradients too."""
 
     stage: int = 0
     reduce_bucket_size: int = 500_000_000  # elements per gradient bucket
@@ -122,8 +123,7 @@ class ZeroConfig:
 
     def validate(self, where: str) -> None:
         _require(self.stage in (0, 1, 2, 3), f"'{where}stage' must be 0, 1, 2 or 3, got {self.stage}")
-        _require(self.stage == 0,
-                 f"'{where}stage' {self.stage}: ZeRO stages 1-3 are not implemented yet; use stage 0")
+        _require(self.stage != 3, f"'{where}stage' 3: ZeRO stage 3 is not implemented yet; use stage 0, 1 or 2")
         _require(self.reduce_bucket_size >= 1,
                  f"'{where}reduce_bucket_size' must be >= 1, got {self.reduce_bucket_size}")
 

@@ -1,10 +1,13 @@
 """The training engine (DeepSpeed's shape): forward, backward, step, checkpoints.
 
-It composes the parts that do the work: the gradient buffer (data-parallel reduction), the master
-weights and loss scaler (precision), the optimizer and LR schedule, the checkpoint writer and the
-monitor. One optimizer step, at the gradient-accumulation boundary, is: wait for the gradient
-buckets, unscale, check for overflow, clip by the global norm, step the optimizer on the fp32
-master weights, copy them into the model, advance the LR schedule and the loss scale.
+It composes the parts that do the work: the data-parallel state (`megazero.zero`: gradient
+buckets, their reduction, the fp32 master weights, replicated or partitioned by ZeRO stage), the
+loss scaler, the optimizer and LR schedule, the checkpoint writer and the monitor.
+
+One optimizer step, at the gradient-accumulation boundary: wait for the gradient buckets, take
+the global gradient norm (inf/nan: skip the step), unscale and clip (inside torch's fused Adam
+when possible), step the optimizer on the fp32 master weights, write them into the model
+(all-gathering the partitions under ZeRO), advance the LR schedule and the loss scale.
 """
 
 from __future__ import annotations
@@ -16,9 +19,8 @@ import torch
 import torch.distributed as dist
 
 from megazero.config import EngineConfig
-from megazero.data_parallel import GradientBuffer
 from megazero.monitor import Monitor
-from megazero.precision import LossScaler, MasterParams
+from megazero.precision import LossScaler
 from megazero.profiling.timers import Timers
 
 
@@ -26,22 +28,18 @@ class Engine(torch.nn.Module):
     """Wraps a model for data-parallel, mixed-precision training with gradient accumulation."""
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig, optimizer: torch.optim.Optimizer,
-                 master: MasterParams, lr_scheduler, dp_group: dist.ProcessGroup | None,
-                 training_dataloader=None):
+                 dp_state, lr_scheduler, dp_group: dist.ProcessGroup | None, training_dataloader=None):
         super().__init__()
         self.module = model
         self.config = config
         self.optimizer = optimizer
-        self.master = master
+        self.dp = dp_state
         self.lr_scheduler = lr_scheduler
         self.dp_group = dp_group
         self.dp_rank = dist.get_rank(dp_group) if dist.is_initialized() else 0
         self.dp_world_size = dist.get_world_size(dp_group) if dist.is_initialized() else 1
         self.global_rank = dist.get_rank() if dist.is_initialized() else 0
         self.training_dataloader = training_dataloader
-        self.grads = GradientBuffer(list(model.parameters()), dp_group,
-                                    config.zero_optimization.reduce_bucket_size,
-                                    overlap=config.zero_optimization.overlap_comm)
         self.loss_scaler = LossScaler.from_config(config.fp16)
         self.monitor = Monitor(config.tensorboard, config.wandb, rank=self.global_rank)
         self.timers = Timers(enabled=config.wall_clock_breakdown)
@@ -89,10 +87,12 @@ class Engine(torch.nn.Module):
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Backward of loss * loss_scale / accumulation_steps; reduces gradients on the boundary."""
-        self.grads.sync_this_micro_step = self.is_gradient_accumulation_boundary()
+        boundary = self.is_gradient_accumulation_boundary()
+        self.dp.begin_micro_step(boundary)
         self.timers("backward").start()
         scaled = loss.float() * (self.loss_scaler.scale / self.gradient_accumulation_steps())
         scaled.backward()
+        self.dp.after_backward(boundary)
         self.timers("backward").stop()
         return loss
 
@@ -110,17 +110,16 @@ class Engine(torch.nn.Module):
 
     def _optimizer_step(self) -> None:
         self.timers("backward_reduce").start()
-        self.grads.finish_reduction()
+        self.dp.reduce_gradients()
         self.timers("backward_reduce").stop()
-        flat = self.grads.buffer
         scale = self.loss_scaler.scale
-        grad_norm = torch.linalg.vector_norm(flat).item() / scale
+        grad_norm = self.dp.grad_norm() / scale
         overflow = not math.isfinite(grad_norm)
         self.last_step_overflowed = overflow
         self.last_grad_norm = grad_norm
         if overflow:
             self.skipped_steps += 1
-            self.grads.zero()
+            self.dp.start_window()
             self.loss_scaler.update(True)
             return
         divisor = scale
@@ -128,18 +127,18 @@ class Engine(torch.nn.Module):
         if clip > 0 and grad_norm > clip:
             divisor = scale * (grad_norm + 1e-6) / clip
         self.timers("optimizer").start()
-        self.master.attach_grads(self.grads)
+        self.dp.attach_grads()
         if divisor != 1.0 and self._optimizer_unscales:
             # torch's fused Adam divides by grad_scale inside its own pass: no extra pass over the grads
-            self.optimizer.grad_scale = torch.tensor(divisor, dtype=torch.float32, device=flat.device)
+            self.optimizer.grad_scale = torch.tensor(divisor, dtype=torch.float32, device=self.device)
         elif divisor != 1.0:
-            flat.mul_(1.0 / divisor)
+            self.dp.scale_gradients(1.0 / divisor)
         self.optimizer.step()
         self.optimizer.grad_scale = None
-        self.master.detach_grads()
-        self.master.copy_to_model()
+        self.dp.detach_grads()
+        self.dp.update_model()
         self.timers("optimizer").stop()
-        self.grads.zero()
+        self.dp.start_window()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.loss_scaler.update(False)
@@ -162,7 +161,7 @@ class Engine(torch.nn.Module):
     @property
     def device(self) -> torch.device:
         """Where the model's parameters live."""
-        return self.grads.buffer.device
+        return next(self.module.parameters()).device
 
     def to_device(self, batch):
         """Move a batch (tensor, or dict/list/tuple of tensors) to the model's device."""

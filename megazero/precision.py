@@ -100,13 +100,6 @@ class MasterParams:
             raise ValueError("the optimizer holds a tensor that is not a trainable parameter of the model "
                              f"(shape {tuple(model_param.shape)})") from None
 
-    def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Point an optimizer built on the model's parameters at the master weights instead."""
-        if not self.separate:
-            return
-        for group in optimizer.param_groups:
-            group["params"] = [self.master_of(p) for p in group["params"]]
-
     def attach_grads(self, grads) -> None:
         """Give each master weight its fp32 gradient (a view into the gradient buffer)."""
         for master, param in zip(self.params, self.model_params):

@@ -2,7 +2,9 @@
 
 Layout of save_dir/tag/ (DeepSpeed-like names):
   mp_rank_00_model_states.pt   module state dict, counters, LR schedule, loss scaler, client state
-  mp_rank_00_optim_states.pt   optimizer state dict and the fp32 master weights (16-bit training)
+  mp_rank_00_optim_states.pt   ZeRO stage 0: optimizer state dict and the fp32 master weights
+  zero_pp_rank_{D}_mp_rank_00_optim_states.pt   ZeRO stages 1/2: data-parallel rank D's master and
+                               optimizer partitions and their layout (re-cut on load for any DP size)
   rng_state_rank{R}.pt         each rank's torch / python / numpy RNG states
 Resuming restores all of it, and the engine's data loader position, so a resumed run continues
 bit for bit like an uninterrupted one.
@@ -26,6 +28,7 @@ from megazero.checkpoint.io import (
     read_latest,
     save_file,
 )
+from megazero.checkpoint.zero_state import ZERO_FILE, load_zero_state, zero_state
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
 OPTIM_FILE = "mp_rank_00_optim_states.pt"
@@ -66,12 +69,18 @@ def save_engine_checkpoint(engine, save_dir, tag: str | None, client_state: dict
     save_dir = os.fspath(save_dir)
     tag = check_tag(tag or f"global_step{engine.global_steps}")
     check_plain(client_state)
+    names = {id(p): name for name, p in engine.module.named_parameters()}
     with atomic_checkpoint_dir(save_dir, tag) as tmp:
         if engine.global_rank == 0:
             save_file(_model_state(engine, client_state), os.path.join(tmp, MODEL_FILE))
+        if engine.dp.stage == 0 and engine.global_rank == 0:
+            master = engine.dp.master
             save_file({"optimizer": engine.optimizer.state_dict(),
-                       "master_params": [p.detach() for p in engine.master.params] if engine.master.separate
-                       else None}, os.path.join(tmp, OPTIM_FILE))
+                       "param_names": [names[id(p)] for p in master.model_params],
+                       "master_params": [p.detach() for p in master.params] if master.separate else None},
+                      os.path.join(tmp, OPTIM_FILE))
+        elif engine.dp.stage > 0:
+            save_file(zero_state(engine, names), os.path.join(tmp, ZERO_FILE.format(dp=engine.dp_rank)))
         save_file(capture_rng_state(), os.path.join(tmp, rng_file(engine.global_rank)))
     return os.path.join(save_dir, tag)
 
@@ -87,6 +96,7 @@ def _model_state(engine, client_state: dict) -> dict:
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
         "loss_scaler": engine.loss_scaler.state_dict(),
         "dp_world_size": engine.dp_world_size,
+        "zero_stage": engine.dp.stage,
         "train_batch_size": engine.train_batch_size(),
         "client_state": client_state,
     }
@@ -123,15 +133,15 @@ def load_engine_checkpoint(engine, load_dir, tag: str | None, load_optimizer_sta
                               f"expected {FORMAT_VERSION}")
     engine.module.load_state_dict(state["module"])
     if load_optimizer_states:
-        optim = load_file(os.path.join(path, OPTIM_FILE))
-        engine.optimizer.load_state_dict(optim["optimizer"])
-        if engine.master.separate:
-            with torch.no_grad():
-                for master, saved in zip(engine.master.params, optim["master_params"]):
-                    master.copy_(saved)
-            engine.master.copy_to_model()
+        if state["zero_stage"] != engine.dp.stage:
+            raise CheckpointError(f"{path} was saved with ZeRO stage {state['zero_stage']}, the engine runs stage "
+                                  f"{engine.dp.stage}; load with load_optimizer_states=False to take the weights only")
+        if engine.dp.stage == 0:
+            _load_replicated_optimizer(engine, path)
+        else:
+            load_zero_state(engine, path, {id(p): name for name, p in engine.module.named_parameters()})
     else:
-        engine.master.copy_from_model()
+        engine.dp.reset_masters()
     if load_lr_scheduler_states and engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
     engine.loss_scaler.load_state_dict(state["loss_scaler"])
@@ -147,6 +157,17 @@ def load_engine_checkpoint(engine, load_dir, tag: str | None, load_optimizer_sta
         warnings.warn(f"{rng_path} not found (saved with another world size?): RNG states not restored",
                       stacklevel=3)
     return path, state["client_state"]
+
+
+def _load_replicated_optimizer(engine, path: str) -> None:
+    optim = load_file(os.path.join(path, OPTIM_FILE))
+    engine.optimizer.load_state_dict(optim["optimizer"])
+    master = engine.dp.master
+    if master.separate:
+        with torch.no_grad():
+            for param, saved in zip(master.params, optim["master_params"]):
+                param.copy_(saved)
+        master.copy_to_model()
 
 
 def _restore_data_position(engine, state: dict) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 import megazero
@@ -11,8 +12,8 @@ from models.gpt import GPT, GPTConfig
 from tests.training_helpers import TINY, base_config, build_engine, train
 
 
-def _overflow_step(prefix: str) -> dict:
-    config = base_config(train_micro_batch_size_per_gpu=4,
+def _overflow_step(prefix: str, stage: int) -> dict:
+    config = base_config(train_micro_batch_size_per_gpu=4, zero_optimization={"stage": stage},
                          fp16={"enabled": True, "initial_scale_power": 10, "hysteresis": 2})
     engine, loader = build_engine(config, prefix)
     data = iter(loader)
@@ -50,8 +51,9 @@ def _lr_after_overflow(prefix: str) -> list:
     return lrs
 
 
-def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(pools, token_dataset_prefix_module):
-    for result in pools(2).run(_overflow_step, token_dataset_prefix_module):
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(pools, token_dataset_prefix_module, stage):
+    for result in pools(2).run(_overflow_step, token_dataset_prefix_module, stage):
         assert result["unchanged"] and result["same_state"]
         assert result["scales"] == [1024.0, 512.0]  # hysteresis 2: the second overflow halves
         assert result["skipped"] == 2 and result["steps"] == 4 and result["finite"]

@@ -1,0 +1,19 @@
+"""ZeRO: data-parallel states that replicate (stage 0) or partition (stages 1, 2) model states."""
+
+from __future__ import annotations
+
+import torch
+
+from megazero.config import ZeroConfig
+from megazero.zero.partitioned import PartitionedState
+from megazero.zero.replicated import ReplicatedState
+
+
+def build_data_parallel_state(config: ZeroConfig, groups: list[list[torch.nn.Parameter]], dp_group):
+    """The state object for `config.stage` over the optimizer's param groups (model parameters)."""
+    if config.stage == 0:
+        return ReplicatedState(groups, dp_group, config.reduce_bucket_size, config.overlap_comm)
+    return PartitionedState(groups, dp_group, config.reduce_bucket_size, config.overlap_comm, config.stage)
+
+
+__all__ = ["build_data_parallel_state", "ReplicatedState", "PartitionedState"]

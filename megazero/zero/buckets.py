@@ -1,0 +1,128 @@
+"""Gradient hooks and buckets: gradients land in fp32 bucket buffers and each full bucket starts its
+reduction (all-reduce or reduce-scatter) at once, so communication overlaps the rest of backward.
+
+A hook fires when autograd has finished accumulating a parameter's gradient; it adds the
+gradient into the parameter's slice of its bucket buffer and frees `.grad`. On a micro-step that
+communicates, a bucket whose gradients have all arrived is handed to `reduce_bucket`, strictly in
+bucket order, so every rank issues the same collectives in the same order.
+
+Buffers are either one contiguous buffer for the whole layout, which keeps accumulating across
+micro-steps (stages 0 and 1), or `staged`: a bucket-sized buffer borrowed per bucket and returned
+once its reduction is done, so no rank ever holds the whole gradient (stage 2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from megazero.zero.collectives import Handle
+from megazero.zero.layout import Bucket, FlatLayout
+
+
+class BucketedGradients:
+    """Collects gradients of `layout.params` into buckets and reduces them with `reduce_bucket`.
+
+    reduce_bucket(bucket, tensor) -> Handle is called with the bucket's fp32 buffer (bucket.numel
+    elements, gradients pre-divided by the data-parallel size).
+    """
+
+    def __init__(self, layout: FlatLayout, reduce_bucket: Callable[[Bucket, torch.Tensor], Handle],
+                 world_size: int, overlap: bool = True, staged: bool = False, device=None):
+        self.layout = layout
+        self.reduce_bucket = reduce_bucket
+        self.world_size = world_size
+        self.overlap = overlap
+        self.staged = staged
+        device = device or (layout.params[0].device if layout.params else torch.device("cpu"))
+        self.buffer = None if staged else torch.zeros(layout.numel, dtype=torch.float32, device=device)
+        self._device = device
+        self._free: list[torch.Tensor] = []  # staging buffers ready for reuse
+        self._staging: dict[int, torch.Tensor] = {}  # bucket index -> its buffer this micro-step
+        self._handles: dict[int, Handle] = {}
+        self._arrived: dict[int, int] = {}
+        self._written: set[torch.nn.Parameter] = set()
+        self._next_to_launch = 0
+        self.sync_this_micro_step = True
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in layout.params]
+
+    @property
+    def bucket_count(self) -> int:
+        """How many buckets the layout is cut into."""
+        return len(self.layout.buckets)
+
+    def bucket_tensor(self, bucket: Bucket) -> torch.Tensor:
+        """The fp32 buffer of `bucket` (a view of the full buffer, or its staging buffer)."""
+        if not self.staged:
+            return self.buffer[bucket.start:bucket.start + bucket.numel]
+        if bucket.index not in self._staging:
+            size = max(b.numel for b in self.layout.buckets)
+            buf = self._free.pop() if self._free else torch.empty(size, dtype=torch.float32, device=self._device)
+            view = buf[:bucket.numel]
+            view.zero_()
+            self._staging[bucket.index] = view
+        return self._staging[bucket.index]
+
+    def grad(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """The accumulated fp32 gradient of `param` (full-buffer layouts only)."""
+        offset = self.layout.offsets[param]
+        return self.buffer[offset:offset + param.numel()].view_as(param)
+
+    def _slot(self, param: torch.nn.Parameter) -> torch.Tensor:
+        bucket = self.layout.bucket_of[param]
+        start = self.layout.offsets[param] - bucket.start
+        return self.bucket_tensor(bucket)[start:start + param.numel()].view_as(param)
+
+    def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
+        slot = self._slot(param)
+        if self.staged or param in self._written:
+            slot.add_(param.grad)
+        else:  # first gradient of the window: overwrite, so the buffer needs no zeroing pass
+            slot.copy_(param.grad)
+            self._written.add(param)
+        param.grad = None
+        if not (self.sync_this_micro_step and self.overlap and self.world_size > 1):
+            return
+        bucket = self.layout.bucket_of[param]
+        self._arrived[bucket.index] = self._arrived.get(bucket.index, 0) + 1
+        buckets = self.layout.buckets
+        while (self._next_to_launch < len(buckets)
+               and self._arrived.get(self._next_to_launch, 0) == len(buckets[self._next_to_launch].params)):
+            self._launch(buckets[self._next_to_launch])
+
+    def _launch(self, bucket: Bucket) -> None:
+        tensor = self.bucket_tensor(bucket)
+        if self.world_size > 1:
+            tensor.div_(self.world_size)  # pre-divide: the sum of averages is the average
+        self._handles[bucket.index] = self.reduce_bucket(bucket, tensor)
+        self._next_to_launch += 1
+
+    def _zero_missing(self) -> None:
+        """Parameters that got no gradient this window must read as zero."""
+        for p in self.layout.params:
+            if p not in self._written:
+                self._slot(p).zero_()
+                self._written.add(p)
+
+    def finish_reduction(self) -> None:
+        """Reduce every bucket not yet started and wait for all of them (a communicating micro-step)."""
+        if not self.staged:
+            self._zero_missing()
+        while self._next_to_launch < len(self.layout.buckets):
+            self._launch(self.layout.buckets[self._next_to_launch])
+        for index in sorted(self._handles):
+            self._handles[index].wait()
+        self._handles.clear()
+        self._arrived.clear()
+        self._next_to_launch = 0
+        if self.staged:
+            self._free.extend(t._base if t._base is not None else t for t in self._staging.values())
+            self._staging.clear()
+
+    def start_window(self) -> None:
+        """After an optimizer step (or a skipped one): the next gradients start a new accumulation window."""
+        self._written.clear()
+        self._handles.clear()
+        self._arrived.clear()
+        self._next_to_launch = 0

@@ -1,0 +1,80 @@
+"""Reduce-scatter and all-gather over equal chunks, built from what is fast on each backend.
+
+On NCCL the native reduce_scatter_tensor / all_gather_into_tensor are used. On gloo they are 3-4x
+slower than point-to-point and broadcast (measured: ../shared/FACTS.md), so there a reduce-scatter
+is built from isend/irecv plus local adds, and an all-gather from one broadcast per rank. Both
+work in place on a buffer of N equal chunks and return a handle whose wait() completes them, so a
+bucket's communication can overlap the rest of backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+
+class Handle:
+    """Pending communication: wait() blocks until it is done and then runs the finishing step."""
+
+    def __init__(self, works: list, finish: Callable[[], None] | None = None):
+        self._works = works
+        self._finish = finish
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
+        self._works = []
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
+
+
+def uses_native_collectives(group) -> bool:
+    """True on NCCL (native reduce-scatter/all-gather are fastest there), False on gloo."""
+    return dist.get_backend(group) == "nccl"
+
+
+def _global(group, rank: int) -> int:
+    return dist.get_global_rank(group, rank) if group is not None else rank
+
+
+def reduce_scatter_chunks(buffer: torch.Tensor, group) -> Handle:
+    """Sum `buffer` (N equal chunks) over the group; afterwards chunk r of rank r holds the sum.
+
+    Other chunks of the buffer are left with unspecified contents.
+    """
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    chunks = buffer.view(world, -1)
+    mine = chunks[rank]
+    if world == 1:
+        return Handle([])
+    if uses_native_collectives(group):
+        return Handle([dist.reduce_scatter_tensor(mine, buffer, group=group, async_op=True)])
+    received = torch.empty((world - 1, chunks.shape[1]), dtype=buffer.dtype, device=buffer.device)
+    works = []
+    for i, peer in enumerate(p for p in range(world) if p != rank):
+        works.append(dist.irecv(received[i], src=_global(group, peer), group=group))
+    for peer in range(world):
+        if peer != rank:
+            works.append(dist.isend(chunks[peer], dst=_global(group, peer), group=group))
+
+    def add_received() -> None:
+        mine.add_(received.sum(dim=0) if world > 2 else received[0])
+
+    return Handle(works, add_received)
+
+
+def all_gather_chunks(buffer: torch.Tensor, group) -> Handle:
+    """Every rank contributes chunk r (its own) of `buffer`; afterwards all chunks are filled everywhere."""
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if world == 1:
+        return Handle([])
+    chunks = buffer.view(world, -1)
+    if uses_native_collectives(group):
+        return Handle([dist.all_gather_into_tensor(buffer, chunks[rank], group=group, async_op=True)])
+    works = [dist.broadcast(chunks[r], src=_global(group, r), group=group, async_op=True) for r in range(world)]
+    return Handle(works)

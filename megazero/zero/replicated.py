@@ -1,0 +1,78 @@
+"""ZeRO stage 0 (plain data parallelism): every rank holds everything; gradients are all-reduced."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megazero.precision import MasterParams
+from megazero.zero.buckets import BucketedGradients
+from megazero.zero.collectives import Handle
+from megazero.zero.layout import FlatLayout
+
+
+class ReplicatedState:
+    """fp32 gradient buffer all-reduced in buckets; fp32 master weights (copies for 16-bit models)."""
+
+    stage = 0
+
+    def __init__(self, groups: list[list[torch.nn.Parameter]], group, bucket_numel: int, overlap: bool):
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        params = [p for g in groups for p in g]
+        self.master = MasterParams(params)
+        self.layout = FlatLayout(params, bucket_numel, 1)
+        self.grads = BucketedGradients(self.layout, self._all_reduce, self.world_size, overlap)
+
+    def _all_reduce(self, bucket, tensor: torch.Tensor) -> Handle:
+        if self.world_size == 1:
+            return Handle([])
+        return Handle([dist.all_reduce(tensor, group=self.group, async_op=True)])
+
+    def optimizer_groups(self, groups: list[dict]) -> list[dict]:
+        """The optimizer's param groups, over the fp32 master weights."""
+        return [{**g, "params": [self.master.master_of(p) for p in g["params"]]} for g in groups]
+
+    @property
+    def bucket_count(self) -> int:
+        """How many buckets the gradient buffer is cut into."""
+        return self.grads.bucket_count
+
+    def begin_micro_step(self, boundary: bool) -> None:
+        """Communicate during this backward only on the accumulation boundary."""
+        self.grads.sync_this_micro_step = boundary
+
+    def after_backward(self, boundary: bool) -> None:
+        """Nothing to do between micro-steps: gradients accumulate locally."""
+
+    def reduce_gradients(self) -> None:
+        """Finish the all-reduce of every bucket."""
+        self.grads.finish_reduction()
+
+    def grad_norm(self) -> float:
+        """Global L2 norm of the (loss-scaled) gradients; inf/nan on overflow."""
+        return torch.linalg.vector_norm(self.grads.buffer).item()
+
+    def scale_gradients(self, factor: float) -> None:
+        """Multiply all gradients by `factor` (unscale and clip for optimizers that cannot)."""
+        self.grads.buffer.mul_(factor)
+
+    def attach_grads(self) -> None:
+        """Point each master weight's .grad at its reduced gradient."""
+        self.master.attach_grads(self.grads)
+
+    def detach_grads(self) -> None:
+        """Drop the gradient views from the master weights."""
+        self.master.detach_grads()
+
+    def update_model(self) -> None:
+        """Write the updated master weights into the model."""
+        self.master.copy_to_model()
+
+    def reset_masters(self) -> None:
+        """Re-read the master weights from the model (after loading model weights only)."""
+        self.master.copy_from_model()
+
+    def start_window(self) -> None:
+        """Discard gradients and start the next accumulation window."""
+        self.grads.start_window()
