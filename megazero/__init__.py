@@ -69,7 +69,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     if engine_config.compute_dtype != torch.float32:
         model = model.to(engine_config.compute_dtype)
     groups = _param_groups(optimizer, model_parameters, model, engine_config)
-    dp_state = build_data_parallel_state(engine_config.zero_optimization, [g["params"] for g in groups], dp_group)
+    dp_state = build_data_parallel_state(engine_config.zero_optimization, model, [g["params"] for g in groups],
+                                         dp_group)
     optimizer_groups = dp_state.optimizer_groups(groups)
     if optimizer is None:
         optimizer = build_optimizer(engine_config.optimizer, optimizer_groups)

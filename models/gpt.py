@@ -100,6 +100,13 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
         self.mlp = MLP(config)
+        # GPT-2 init, here rather than in GPT: under zero.Init each layer is partitioned once built
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                # residual projections scaled by 1/sqrt(2 * layers)
+                std = 0.02 / math.sqrt(2 * config.num_layers) if name.endswith("proj") else 0.02
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                nn.init.zeros_(module.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -117,19 +124,8 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
-        self.apply(self._init_weights)
-        # GPT-2: residual projections scaled by 1/sqrt(2 * layers)
-        for name, param in self.named_parameters():
-            if name.endswith("proj.weight"):
-                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * config.num_layers))
-
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        nn.init.normal_(self.wte.weight, mean=0.0, std=0.02)
+        nn.init.normal_(self.wpe.weight, mean=0.0, std=0.02)
 
     def num_parameters(self) -> int:
         """Trainable parameters (the tied embedding counted once)."""

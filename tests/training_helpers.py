@@ -5,6 +5,7 @@ from __future__ import annotations
 import megazero
 from megazero.data import GPTDataset, IndexedDataset
 from megazero.distributed import all_reduce_values
+from megazero.zero import GatheredParameters
 from models.gpt import GPT, GPTConfig
 
 TINY = dict(vocab_size=256, seq_length=32, num_layers=2, hidden_size=64, num_attention_heads=4,
@@ -55,6 +56,7 @@ def train(config: dict, prefix: str, steps: int, seed: int = 0, save_dir: str | 
         losses.append(global_mean(loss.item(), engine))
         if save_dir is not None and engine.global_steps == save_at:
             engine.save_checkpoint(save_dir, client_state={"step": engine.global_steps})
-    params = {name: p.detach().float().clone() for name, p in engine.module.named_parameters()}
+    with GatheredParameters(list(engine.module.parameters())):  # whole again under ZeRO-3
+        params = {name: p.detach().float().clone() for name, p in engine.module.named_parameters()}
     return {"losses": losses, "params": params, "skipped": engine.skipped_steps, "lr": engine.get_lr()[0],
             "scale": engine.get_loss_scale()}

@@ -33,9 +33,10 @@ def consolidate_fp32_state_dict(checkpoint_dir: str, tag: str | None = None) -> 
     out = {}
     for name, tensor in state["module"].items():
         if name in masters:
-            out[name] = masters[name].float().reshape(tensor.shape).contiguous()
+            out[name] = masters.pop(name).float().reshape(tensor.shape).contiguous()
         else:
             out[name] = tensor.float() if tensor.is_floating_point() else tensor
+    out.update({name: t.float().contiguous() for name, t in masters.items()})  # ZeRO-3: parameters only here
     return out
 
 

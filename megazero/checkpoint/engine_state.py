@@ -88,7 +88,7 @@ def save_engine_checkpoint(engine, save_dir, tag: str | None, client_state: dict
 def _model_state(engine, client_state: dict) -> dict:
     return {
         "format_version": FORMAT_VERSION,
-        "module": engine.module.state_dict(),
+        "module": _module_state(engine),
         "global_steps": engine.global_steps,
         "global_samples": engine.global_samples,
         "micro_steps": engine.micro_steps,
@@ -100,6 +100,16 @@ def _model_state(engine, client_state: dict) -> dict:
         "train_batch_size": engine.train_batch_size(),
         "client_state": client_state,
     }
+
+
+def _module_state(engine) -> dict:
+    """The module's state dict; under ZeRO-3 without the (partitioned) parameters, which live in the
+    per-rank ZeRO files, so that no rank has to hold the whole model to save it."""
+    state = engine.module.state_dict()
+    if engine.dp.stage == 3:
+        params = {name for name, _ in engine.module.named_parameters()}
+        state = {k: v for k, v in state.items() if k not in params}
+    return state
 
 
 def resolve_tag(load_dir: str, tag: str | None) -> str | None:
@@ -131,7 +141,7 @@ def load_engine_checkpoint(engine, load_dir, tag: str | None, load_optimizer_sta
     if state.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{path}/{MODEL_FILE}: format_version {state.get('format_version')!r}, "
                               f"expected {FORMAT_VERSION}")
-    engine.module.load_state_dict(state["module"])
+    engine.module.load_state_dict(state["module"], strict=state["zero_stage"] != 3 and engine.dp.stage != 3)
     if load_optimizer_states:
         if state["zero_stage"] != engine.dp.stage:
             raise CheckpointError(f"{path} was saved with ZeRO stage {state['zero_stage']}, the engine runs stage "

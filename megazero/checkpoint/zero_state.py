@@ -29,7 +29,7 @@ def layout_meta(layout: FlatLayout, names: dict[int, str]) -> dict:
         "world_size": layout.world_size,
         "numel": layout.numel,
         "names": [names[id(p)] for p in layout.params],
-        "shapes": [list(p.shape) for p in layout.params],
+        "shapes": [list(layout.shapes[p]) for p in layout.params],
         "offsets": [layout.offsets[p] for p in layout.params],
         "buckets": [[b.start, b.numel, b.partition_offset] for b in layout.buckets],
     }

@@ -1,19 +1,25 @@
-"""ZeRO: data-parallel states that replicate (stage 0) or partition (stages 1, 2) model states."""
+"""ZeRO: data-parallel states that replicate (stage 0) or partition (stages 1-3) model states."""
 
 from __future__ import annotations
 
 import torch
 
 from megazero.config import ZeroConfig
+from megazero.zero.init import GatheredParameters, Init
 from megazero.zero.partitioned import PartitionedState
 from megazero.zero.replicated import ReplicatedState
+from megazero.zero.sharded import ShardedState
 
 
-def build_data_parallel_state(config: ZeroConfig, groups: list[list[torch.nn.Parameter]], dp_group):
+def build_data_parallel_state(config: ZeroConfig, model: torch.nn.Module, groups: list[list[torch.nn.Parameter]],
+                              dp_group):
     """The state object for `config.stage` over the optimizer's param groups (model parameters)."""
     if config.stage == 0:
         return ReplicatedState(groups, dp_group, config.reduce_bucket_size, config.overlap_comm)
+    if config.stage == 3:
+        return ShardedState(model, groups, dp_group, config.stage3_param_persistence_threshold)
     return PartitionedState(groups, dp_group, config.reduce_bucket_size, config.overlap_comm, config.stage)
 
 
-__all__ = ["build_data_parallel_state", "ReplicatedState", "PartitionedState"]
+__all__ = ["build_data_parallel_state", "Init", "GatheredParameters", "ReplicatedState", "PartitionedState",
+           "ShardedState"]

@@ -67,12 +67,12 @@ class BucketedGradients:
     def grad(self, param: torch.nn.Parameter) -> torch.Tensor:
         """The accumulated fp32 gradient of `param` (full-buffer layouts only)."""
         offset = self.layout.offsets[param]
-        return self.buffer[offset:offset + param.numel()].view_as(param)
+        return self.buffer[offset:offset + self.layout.numels[param]].view(self.layout.shapes[param])
 
     def _slot(self, param: torch.nn.Parameter) -> torch.Tensor:
         bucket = self.layout.bucket_of[param]
         start = self.layout.offsets[param] - bucket.start
-        return self.bucket_tensor(bucket)[start:start + param.numel()].view_as(param)
+        return self.bucket_tensor(bucket)[start:start + self.layout.numels[param]].view(self.layout.shapes[param])
 
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
         slot = self._slot(param)

@@ -48,6 +48,9 @@ class FlatLayout:
         self.params = list(params)
         self.world_size = world_size
         self.offsets: dict[torch.nn.Parameter, int] = {}
+        # recorded now: under ZeRO-3 a parameter's data may later be released to an empty tensor
+        self.shapes: dict[torch.nn.Parameter, torch.Size] = {p: p.shape for p in self.params}
+        self.numels: dict[torch.nn.Parameter, int] = {p: p.numel() for p in self.params}
         self.bucket_of: dict[torch.nn.Parameter, Bucket] = {}
         self.buckets: list[Bucket] = []
         start, filled, current = 0, 0, []
@@ -74,7 +77,7 @@ class FlatLayout:
     @property
     def unpadded_numel(self) -> int:
         """Elements of the parameters themselves (no padding)."""
-        return sum(p.numel() for p in self.params)
+        return sum(self.numels.values())
 
     def rank_range(self, bucket: Bucket, rank: int) -> tuple[int, int]:
         """Flat-buffer range of `rank`'s chunk of `bucket`."""
@@ -87,7 +90,7 @@ class FlatLayout:
         for bucket in self.buckets:
             lo, hi = self.rank_range(bucket, rank)
             for p in bucket.params:
-                begin, end = max(lo, self.offsets[p]), min(hi, self.offsets[p] + p.numel())
+                begin, end = max(lo, self.offsets[p]), min(hi, self.offsets[p] + self.numels[p])
                 if begin < end:
                     out.append(Fragment(p, begin - self.offsets[p], end - begin, bucket.partition_offset + begin - lo))
         return out

@@ -40,10 +40,11 @@ def bf16_reference(pools, token_dataset_prefix_module):
 
 
 def _zero(stage: int) -> dict:
-    return {"stage": stage, "reduce_bucket_size": 20000}
+    # stage 3: threshold 0 so that every unit of the tiny model is really partitioned
+    return {"stage": stage, "reduce_bucket_size": 20000, "stage3_param_persistence_threshold": 0}
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_data_parallel_matches_single_process(pools, reference, token_dataset_prefix_module, world_size, stage):
     results = pools(world_size).run(train, base_config(zero_optimization=_zero(stage)), token_dataset_prefix_module,
@@ -52,7 +53,7 @@ def test_data_parallel_matches_single_process(pools, reference, token_dataset_pr
         _assert_same_run(reference, rank_result)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_zero_with_accumulation_and_clipping(pools, reference, token_dataset_prefix_module, world_size, stage):
     config = base_config(train_micro_batch_size_per_gpu=8 // world_size // 2, gradient_accumulation_steps=2,
@@ -61,7 +62,7 @@ def test_zero_with_accumulation_and_clipping(pools, reference, token_dataset_pre
         _assert_same_run(reference, rank_result)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_bf16_matches_single_process_bf16(pools, bf16_reference, token_dataset_prefix_module, world_size, stage):
     config = base_config(bf16={"enabled": True}, zero_optimization=_zero(stage))

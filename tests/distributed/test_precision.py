@@ -8,17 +8,20 @@ import pytest
 import torch
 
 import megazero
+from megazero.zero import GatheredParameters
 from models.gpt import GPT, GPTConfig
 from tests.training_helpers import TINY, base_config, build_engine, train
 
 
 def _overflow_step(prefix: str, stage: int) -> dict:
-    config = base_config(train_micro_batch_size_per_gpu=4, zero_optimization={"stage": stage},
+    config = base_config(train_micro_batch_size_per_gpu=4,
+                         zero_optimization={"stage": stage, "stage3_param_persistence_threshold": 0},
                          fp16={"enabled": True, "initial_scale_power": 10, "hysteresis": 2})
     engine, loader = build_engine(config, prefix)
     data = iter(loader)
     engine.train_batch(data)  # one clean step, so the optimizer has state
-    before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    with GatheredParameters(list(engine.module.parameters())):
+        before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     state_before = copy.deepcopy(engine.optimizer.state_dict())
     results = []
     for _ in range(2):
@@ -29,7 +32,9 @@ def _overflow_step(prefix: str, stage: int) -> dict:
         engine.backward(loss)
         engine.step()
         results.append(engine.get_loss_scale())
-    unchanged = all(torch.equal(before[n], p) for n, p in engine.module.named_parameters())
+    with GatheredParameters(list(engine.module.parameters())):
+        unchanged = all(torch.equal(before[n], p) for n, p in engine.module.named_parameters())
+    assert all(t.numel() > 0 for t in before.values())
     state_after = engine.optimizer.state_dict()
     same_state = all(torch.equal(state_before["state"][k]["exp_avg"], v["exp_avg"])
                      for k, v in state_after["state"].items())
@@ -51,7 +56,7 @@ def _lr_after_overflow(prefix: str) -> list:
     return lrs
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(pools, token_dataset_prefix_module, stage):
     for result in pools(2).run(_overflow_step, token_dataset_prefix_module, stage):
         assert result["unchanged"] and result["same_state"]

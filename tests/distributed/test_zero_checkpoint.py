@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megazero.checkpoint.consolidate import consolidate_fp32_state_dict, save_consolidated
+from megazero.zero import GatheredParameters
 from tests.process_pool import ProcessPool
 from tests.training_helpers import base_config, build_engine, train
 
@@ -15,10 +16,11 @@ ODD_MODEL = dict(hidden_size=33, num_attention_heads=3, vocab_size=251, make_voc
 
 
 def _config(stage: int, **extra) -> dict:
-    return base_config(zero_optimization={"stage": stage, "reduce_bucket_size": 20000}, **extra)
+    return base_config(zero_optimization={"stage": stage, "reduce_bucket_size": 20000,
+                                          "stage3_param_persistence_threshold": 0}, **extra)
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_round_trip_is_exact_in_a_new_process_group(pools, token_dataset_prefix_module, tmp_path, stage):
     config = _config(stage, bf16={"enabled": True})
     save_dir = str(tmp_path / "ckpt")
@@ -52,7 +54,7 @@ def saved_at(pools, token_dataset_prefix_module, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("source, target", [(2, 1), (1, 2), (4, 2), (2, 4)])
 def test_load_at_another_data_parallel_size(pools, saved_at, token_dataset_prefix_module, stage, source, target):
     save_dir = saved_at(stage, source)
@@ -74,6 +76,7 @@ def _live_weights(prefix: str, config: dict, save_dir: str) -> dict:
     engine.save_checkpoint(save_dir)
     padding = sum(part.layout.numel - part.layout.unpadded_numel for part in getattr(engine.dp, "parts", []))
     masters = {}
+    names = {id(p): n for n, p in engine.module.named_parameters()}
     if engine.dp.stage > 0:  # the fp32 masters, all-gathered
         for part in engine.dp.parts:
             full = torch.zeros(part.layout.numel)
@@ -84,15 +87,16 @@ def _live_weights(prefix: str, config: dict, save_dir: str) -> dict:
                     lo, hi = part.layout.rank_range(b, rank)
                     full[lo:hi] = piece[b.partition_offset:b.partition_offset + hi - lo]
             for p in part.layout.params:
-                name = next(n for n, q in engine.module.named_parameters() if q is p)
-                masters[name] = full[part.layout.offsets[p]:part.layout.offsets[p] + p.numel()].view_as(p).clone()
+                offset, numel = part.layout.offsets[p], part.layout.numels[p]
+                masters[names[id(p)]] = full[offset:offset + numel].view(part.layout.shapes[p]).clone()
     else:
         masters = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
-    model = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    with GatheredParameters(list(engine.module.parameters())):
+        model = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     return {"masters": masters, "model": model, "padding": padding}
 
 
-@pytest.mark.parametrize("stage, precision", [(0, "fp32"), (1, "bf16"), (2, "fp32"), (2, "bf16")])
+@pytest.mark.parametrize("stage, precision", [(0, "fp32"), (1, "bf16"), (2, "fp32"), (3, "fp32"), (3, "bf16")])
 def test_zero_to_fp32_equals_the_live_weights(pools, token_dataset_prefix_module, tmp_path, stage, precision):
     extra = {"bf16": {"enabled": True}} if precision == "bf16" else {}
     save_dir = str(tmp_path / "ckpt")

@@ -1,0 +1,137 @@
+"""Build a model already partitioned (`zero.Init`) and gather parameters for user code
+(`zero.GatheredParameters`), for ZeRO stage 3.
+
+Under `Init`, a module's parameters are partitioned over the data-parallel ranks when the
+`__init__` of its parent returns: so code in a parent's `__init__` may still initialise its
+children's weights, while no rank ever holds more than one module's subtree whole. Each rank
+keeps only its chunk of each parameter; the stage-3 engine later regroups the chunks unit by unit.
+Code that changes parameters after that must do it inside `GatheredParameters(params, modifier_rank=r)`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+from megazero.zero.collectives import all_gather_chunks
+
+
+def _all_subclasses(cls: type) -> set[type]:
+    out = set()
+    for sub in cls.__subclasses__():
+        out.add(sub)
+        out |= _all_subclasses(sub)
+    return out
+
+
+def _shard_param(p: torch.nn.Parameter, group) -> None:
+    """Keep this rank's chunk of `p` (padded to a multiple of the world size); empty p's data."""
+    if hasattr(p, "_megazero_init_chunk"):
+        return
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    chunk = -(-p.numel() // world)
+    flat = torch.zeros(chunk * world, dtype=p.dtype, device=p.device)
+    flat[:p.numel()] = p.detach().reshape(-1)
+    p._megazero_init_chunk = flat[rank * chunk:(rank + 1) * chunk].clone()
+    p._megazero_init_shape = p.shape
+    p._megazero_init_group = group
+    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+
+def materialize_init_shard(p: torch.nn.Parameter, group) -> None:
+    """Make a parameter partitioned by Init whole again (all-gather its chunks), in p's current dtype."""
+    chunk = getattr(p, "_megazero_init_chunk", None)
+    if chunk is None:
+        return
+    world = dist.get_world_size(group)
+    flat = torch.empty(chunk.numel() * world, dtype=chunk.dtype, device=chunk.device)
+    flat.view(world, -1)[dist.get_rank(group)].copy_(chunk)
+    all_gather_chunks(flat, group).wait()
+    shape = p._megazero_init_shape
+    p.data = flat[:shape.numel()].view(shape).to(p.dtype)
+    del p._megazero_init_chunk, p._megazero_init_shape, p._megazero_init_group
+
+
+class Init:
+    """Context manager: modules built inside are partitioned over `data_parallel_group` as they are built."""
+
+    def __init__(self, data_parallel_group=None, enabled: bool = True):
+        self.group = data_parallel_group
+        self.enabled = enabled
+        self._patched: list[tuple[type, object]] = []
+        self._built: list[torch.nn.Module] = []
+
+    def __enter__(self) -> Init:
+        if not self.enabled:
+            return self
+        if not dist.is_initialized():
+            raise RuntimeError("zero.Init needs torch.distributed initialised (megazero.init_distributed())")
+        for cls in _all_subclasses(torch.nn.Module):
+            if "__init__" in cls.__dict__:
+                original = cls.__dict__["__init__"]
+                self._patched.append((cls, original))
+                cls.__init__ = self._wrap(original)
+        return self
+
+    def _wrap(self, original):
+        @functools.wraps(original)
+        def init(module, *args, **kwargs):
+            depth = getattr(module, "_megazero_init_depth", 0)
+            object.__setattr__(module, "_megazero_init_depth", depth + 1)
+            try:
+                original(module, *args, **kwargs)
+            finally:
+                object.__setattr__(module, "_megazero_init_depth", depth)
+            if depth == 0:  # the most-derived __init__ is done: partition the children's subtrees
+                for child in module.children():
+                    for p in child.parameters():
+                        _shard_param(p, self.group)
+                self._built.append(module)
+        return init
+
+    def __exit__(self, *exc) -> None:
+        for cls, original in reversed(self._patched):
+            cls.__init__ = original
+        self._patched.clear()
+        if exc[0] is None:
+            for module in self._built:  # the outermost modules' own parameters
+                for p in module.parameters():
+                    _shard_param(p, self.group)
+        self._built.clear()
+
+
+class GatheredParameters:
+    """Context manager: the ZeRO-3 units holding `params` are whole inside it. With `modifier_rank`,
+    changes made on that data-parallel rank are broadcast and kept (also in the fp32 masters) on exit.
+    Parameters not partitioned by ZeRO-3 are left alone."""
+
+    def __init__(self, params, modifier_rank: int | None = None, enabled: bool = True):
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        self.params = list(params)
+        self.modifier_rank = modifier_rank
+        self.enabled = enabled
+        self._units: list = []
+
+    def __enter__(self):
+        if not self.enabled:
+            return self
+        seen = set()
+        for p in self.params:
+            unit = getattr(p, "_megazero_unit", None)
+            if unit is not None and id(unit) not in seen:
+                seen.add(id(unit))
+                self._units.append((unit, unit.gathered))
+                unit.gather()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for unit, was_gathered in self._units:
+            if self.modifier_rank is not None and exc[0] is None:
+                for shard in unit.shards:
+                    shard.take_modification(self.modifier_rank)
+            if not was_gathered:
+                unit.release()
+        self._units.clear()

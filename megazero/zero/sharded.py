@@ -1,0 +1,278 @@
+"""ZeRO stage 3: parameters partitioned too; each unit is gathered just before use and released after.
+
+Units: every element of an `nn.ModuleList` (the transformer layers) is a unit; the parameters
+outside them (embeddings, final norm, a tied output layer used in the root's own forward) form the
+root unit, gathered for the whole forward and backward. Per unit and optimizer param group, a
+`_Shard` holds this rank's chunk of the flat parameters (model dtype), its fp32 master chunk and
+gradient chunk. A unit's parameters are all-gathered before its forward, released after it,
+gathered again when the gradient of its output arrives (just before its backward), and released
+once all its gradients have been reduce-scattered. Shards under `persistence_threshold` elements
+stay gathered. After the optimizer step only the shards change: the next forward gathers anew
+(persistent shards are all-gathered right away).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megazero.distributed import all_reduce_values
+from megazero.zero.buckets import BucketedGradients
+from megazero.zero.collectives import Handle, all_gather_chunks, reduce_scatter_chunks
+from megazero.zero.init import materialize_init_shard
+from megazero.zero.layout import FlatLayout
+
+_UNBOUNDED = 1 << 62  # one bucket per shard
+
+
+def _empty_like(p: torch.Tensor) -> torch.Tensor:
+    return torch.empty(0, dtype=p.dtype, device=p.device)
+
+
+class _Shard:
+    """One (unit, param group): this rank's chunk of the parameters, master weights and gradients."""
+
+    def __init__(self, params: list[torch.nn.Parameter], group_index: int, group, persistent: bool):
+        self.group_index = group_index
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.layout = FlatLayout(params, _UNBOUNDED, self.world_size)
+        self.bucket = self.layout.buckets[0]
+        self.persistent = persistent
+        self.dtype, self.device = params[0].dtype, params[0].device
+        full = torch.zeros(self.layout.numel, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            for p in params:
+                full[self.layout.offsets[p]:self.layout.offsets[p] + p.numel()].copy_(p.reshape(-1))
+        lo, hi = self.layout.rank_range(self.bucket, self.rank)
+        self.shard = full[lo:hi].clone()
+        self.master = torch.nn.Parameter(self.shard.float())
+        self.grad_partition = torch.zeros(hi - lo, dtype=torch.float32, device=self.device)
+        self.full: torch.Tensor | None = None
+        self._point_params(full)
+        if not persistent:
+            self.release()
+        self.grads = BucketedGradients(self.layout, self._reduce_scatter, self.world_size, staged=True,
+                                       device=self.device)
+
+    def _point_params(self, full: torch.Tensor) -> None:
+        self.full = full
+        for p in self.layout.params:
+            offset = self.layout.offsets[p]
+            p.data = full[offset:offset + self.layout.numels[p]].view(self.layout.shapes[p])
+
+    def start_gather(self) -> Handle:
+        """All-gather the chunks into a new full buffer; the parameters point into it once waited."""
+        full = torch.empty(self.layout.numel, dtype=self.dtype, device=self.device)
+        lo, hi = self.layout.rank_range(self.bucket, self.rank)
+        full[lo:hi].copy_(self.shard)
+        inner = all_gather_chunks(full, self.group)
+        return Handle([inner], lambda: self._point_params(full))
+
+    def release(self) -> None:
+        """Free the full parameters (the Parameter objects stay, holding empty tensors)."""
+        for p in self.layout.params:
+            p.data = _empty_like(p)
+        self.full = None
+
+    def take_modification(self, src_rank: int) -> None:
+        """Adopt the gathered parameters as modified on data-parallel rank `src_rank`."""
+        if self.world_size > 1:
+            src = dist.get_global_rank(self.group, src_rank) if self.group is not None else src_rank
+            dist.broadcast(self.full, src=src, group=self.group)
+        lo, hi = self.layout.rank_range(self.bucket, self.rank)
+        with torch.no_grad():
+            self.shard.copy_(self.full[lo:hi])
+            self.master.copy_(self.shard)
+
+    def _reduce_scatter(self, bucket, tensor: torch.Tensor) -> Handle:
+        inner = reduce_scatter_chunks(tensor, self.group)
+        mine = tensor.view(self.world_size, -1)[self.rank]
+        return Handle([inner], lambda: self.grad_partition.add_(mine))
+
+
+class _Unit:
+    """A module whose parameters are gathered and released together."""
+
+    def __init__(self, module: torch.nn.Module, shards: list[_Shard], is_root: bool):
+        self.module = module
+        self.shards = shards
+        self.is_root = is_root
+        self.gathered = all(s.persistent for s in shards)
+        self.grads_pending = 0
+        self.num_params = sum(len(s.layout.params) for s in shards)
+
+    def gather(self) -> None:
+        """Make every parameter of the unit whole (no-op when it already is)."""
+        if self.gathered:
+            return
+        handles = [s.start_gather() for s in self.shards if not s.persistent]
+        for h in handles:
+            h.wait()
+        self.gathered = True
+
+    def release(self) -> None:
+        """Free the unit's non-persistent full parameters."""
+        if not self.gathered or all(s.persistent for s in self.shards):
+            return
+        for s in self.shards:
+            if not s.persistent:
+                s.release()
+        self.gathered = False
+
+
+class ShardedState:
+    """ZeRO stage 3 over the optimizer's param groups (same interface as ReplicatedState)."""
+
+    stage = 3
+
+    def __init__(self, model: torch.nn.Module, groups: list[list[torch.nn.Parameter]], group,
+                 persistence_threshold: int):
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        group_of = {id(p): i for i, g in enumerate(groups) for p in g}
+        unit_modules = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+        unit_roots = [child for mlist in unit_modules for child in mlist]
+        in_unit = {id(p) for u in unit_roots for p in u.parameters()}
+        plan = [(model, [p for p in model.parameters() if id(p) not in in_unit], True)]
+        plan += [(u, list(u.parameters()), False) for u in unit_roots]
+        self.units: list[_Unit] = []
+        for module, params, is_root in plan:
+            shards = []
+            for gi in range(len(groups)):
+                mine = [p for p in params if group_of.get(id(p)) == gi]
+                if mine:
+                    for p in mine:  # built under zero.Init: whole again, one unit at a time
+                        materialize_init_shard(p, group)
+                    persistent = sum(p.numel() for p in mine) < persistence_threshold
+                    shards.append(_Shard(mine, gi, group, persistent))
+            unit = _Unit(module, shards, is_root)
+            for shard in shards:
+                for p in shard.layout.params:
+                    p._megazero_unit, p._megazero_shard = unit, shard
+            self.units.append(unit)
+        # optimizer state index i <-> self.parts[i]: ordered by param group, then unit
+        self.parts = sorted((s for u in self.units for s in u.shards), key=lambda s: s.group_index)
+        self._install_hooks()
+
+    # ---- hooks ---------------------------------------------------------------------------------
+    def _install_hooks(self) -> None:
+        for unit in self.units:
+            unit.module.register_forward_pre_hook(lambda mod, args, unit=unit: unit.gather())
+            unit.module.register_forward_hook(lambda mod, args, out, unit=unit: self._after_forward(unit, out))
+            for shard in unit.shards:
+                for p in shard.layout.params:
+                    p.register_post_accumulate_grad_hook(lambda p, unit=unit: self._grad_arrived(unit))
+
+    def _after_forward(self, unit: _Unit, output) -> None:
+        if not torch.is_grad_enabled():
+            if not unit.is_root:
+                unit.release()
+            return
+        unit.grads_pending = unit.num_params
+        if unit.is_root:
+            return  # the root stays whole until its gradients are in
+        unit.release()
+        for tensor in _tensors(output):
+            if tensor.requires_grad:
+                tensor.register_hook(lambda grad, unit=unit: unit.gather())
+
+    def _grad_arrived(self, unit: _Unit) -> None:
+        unit.grads_pending -= 1
+        if unit.grads_pending == 0:
+            unit.release()
+
+    # ---- the engine's interface ------------------------------------------------------------------
+    def optimizer_groups(self, groups: list[dict]) -> list[dict]:
+        """One optimizer group per param group, over that group's master shards."""
+        out = []
+        for gi, g in enumerate(groups):
+            masters = [s.master for s in self.parts if s.group_index == gi]
+            if masters:
+                out.append({**g, "params": masters})
+        return out
+
+    @property
+    def bucket_count(self) -> int:
+        """Shards (each reduced as one bucket)."""
+        return len(self.parts)
+
+    def begin_micro_step(self, boundary: bool) -> None:
+        """Stage 3 reduce-scatters every micro-step."""
+        for s in self.parts:
+            s.grads.sync_this_micro_step = True
+
+    def after_backward(self, boundary: bool) -> None:
+        """Finish this micro-step's reduce-scatters and free any unit still gathered."""
+        if not boundary:
+            self.reduce_gradients()
+
+    def reduce_gradients(self) -> None:
+        """Wait for every shard's reduce-scatter; release what backward left gathered."""
+        for s in self.parts:
+            s.grads.finish_reduction()
+        for unit in self.units:
+            unit.release()
+
+    def grad_norm(self) -> float:
+        """Global L2 norm of the (loss-scaled) gradients."""
+        local = sum(float(torch.sum(s.grad_partition.double() ** 2)) for s in self.parts)
+        return all_reduce_values([local], group=self.group)[0] ** 0.5
+
+    def scale_gradients(self, factor: float) -> None:
+        """Multiply the gradient shards by `factor`."""
+        for s in self.parts:
+            s.grad_partition.mul_(factor)
+
+    def attach_grads(self) -> None:
+        """The master shards' gradients are the reduced gradient shards."""
+        for s in self.parts:
+            s.master.grad = s.grad_partition
+
+    def detach_grads(self) -> None:
+        """Drop the gradient references."""
+        for s in self.parts:
+            s.master.grad = None
+
+    def update_model(self) -> None:
+        """Cast the masters into the parameter shards; re-gather the persistent ones."""
+        with torch.no_grad():
+            for s in self.parts:
+                s.shard.copy_(s.master)
+        handles = [s.start_gather() for s in self.parts if s.persistent]
+        for h in handles:
+            h.wait()
+
+    def reset_masters(self) -> None:
+        """Re-read the master shards from the parameter shards."""
+        with torch.no_grad():
+            for s in self.parts:
+                s.master.copy_(s.shard)
+
+    def start_window(self) -> None:
+        """Discard gradients and start the next accumulation window."""
+        for s in self.parts:
+            s.grads.start_window()
+            s.grad_partition.zero_()
+
+    def gather_all(self) -> None:
+        """Make every parameter whole (for user code, checkpoints of the full model)."""
+        for unit in self.units:
+            unit.gather()
+
+    def release_all(self) -> None:
+        """Undo gather_all()."""
+        for unit in self.units:
+            unit.release()
+
+
+def _tensors(output):
+    if isinstance(output, torch.Tensor):
+        yield output
+    elif isinstance(output, (list, tuple)):
+        for item in output:
+            yield from _tensors(item)
+    elif isinstance(output, dict):
+        for item in output.values():
+            yield from _tensors(item)
