@@ -58,14 +58,26 @@ class GPTConfig:
         return asdict(self)
 
 
+def gpt2_linear(in_features: int, out_features: int, config: GPTConfig, residual: bool = False) -> nn.Linear:
+    """A Linear with GPT-2's init: N(0, 0.02), residual projections scaled by 1/sqrt(2 * layers), zero bias.
+
+    Initialised where it is created: under zero.Init a layer is partitioned as soon as its parent is built.
+    """
+    linear = nn.Linear(in_features, out_features)
+    std = 0.02 / math.sqrt(2 * config.num_layers) if residual else 0.02
+    nn.init.normal_(linear.weight, mean=0.0, std=std)
+    nn.init.zeros_(linear.bias)
+    return linear
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention with a causal mask."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.num_heads = config.num_attention_heads
-        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
-        self.proj = nn.Linear(config.hidden_size, config.hidden_size)
+        self.qkv = gpt2_linear(config.hidden_size, 3 * config.hidden_size, config)
+        self.proj = gpt2_linear(config.hidden_size, config.hidden_size, config, residual=True)
         self.dropout = config.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -83,8 +95,8 @@ class MLP(nn.Module):
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.fc = nn.Linear(config.hidden_size, config.ffn_hidden_size)
-        self.proj = nn.Linear(config.ffn_hidden_size, config.hidden_size)
+        self.fc = gpt2_linear(config.hidden_size, config.ffn_hidden_size, config)
+        self.proj = gpt2_linear(config.ffn_hidden_size, config.hidden_size, config, residual=True)
         self.dropout = config.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,13 +112,6 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
         self.mlp = MLP(config)
-        # GPT-2 init, here rather than in GPT: under zero.Init each layer is partitioned once built
-        for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                # residual projections scaled by 1/sqrt(2 * layers)
-                std = 0.02 / math.sqrt(2 * config.num_layers) if name.endswith("proj") else 0.02
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-                nn.init.zeros_(module.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))

@@ -21,6 +21,34 @@ from megazero.zero.collectives import Handle
 from megazero.zero.layout import Bucket, FlatLayout
 
 
+class InflightLimit:
+    """Bounds the staging buffers of launched reductions: before a new buffer is taken while
+    `limit` are in flight, the oldest reduction is waited for and its buffer dropped. Shared by
+    all the bucket sets of a model, so staging memory stays at about (limit + open buckets) x
+    bucket size however many buckets there are."""
+
+    def __init__(self, limit: int = 2):
+        self.limit = limit
+        self._inflight: list[tuple[Handle, torch.Tensor]] = []
+
+    def acquire(self, numel: int, device) -> torch.Tensor:
+        """A zeroed fp32 staging buffer of `numel` elements."""
+        while len(self._inflight) >= self.limit:
+            handle, _ = self._inflight.pop(0)
+            handle.wait()
+        return torch.zeros(numel, dtype=torch.float32, device=device)
+
+    def track(self, handle: Handle, buffer: torch.Tensor) -> None:
+        """`buffer` is busy until `handle` completes."""
+        self._inflight.append((handle, buffer))
+
+    def drain(self) -> None:
+        """Wait for everything in flight."""
+        while self._inflight:
+            handle, _ = self._inflight.pop(0)
+            handle.wait()
+
+
 class BucketedGradients:
     """Collects gradients of `layout.params` into buckets and reduces them with `reduce_bucket`.
 
@@ -29,7 +57,8 @@ class BucketedGradients:
     """
 
     def __init__(self, layout: FlatLayout, reduce_bucket: Callable[[Bucket, torch.Tensor], Handle],
-                 world_size: int, overlap: bool = True, staged: bool = False, device=None):
+                 world_size: int, overlap: bool = True, staged: bool = False, device=None,
+                 inflight: InflightLimit | None = None):
         self.layout = layout
         self.reduce_bucket = reduce_bucket
         self.world_size = world_size
@@ -38,7 +67,7 @@ class BucketedGradients:
         device = device or (layout.params[0].device if layout.params else torch.device("cpu"))
         self.buffer = None if staged else torch.zeros(layout.numel, dtype=torch.float32, device=device)
         self._device = device
-        self._free: list[torch.Tensor] = []  # staging buffers ready for reuse
+        self._inflight = inflight or InflightLimit()
         self._staging: dict[int, torch.Tensor] = {}  # bucket index -> its buffer this micro-step
         self._handles: dict[int, Handle] = {}
         self._arrived: dict[int, int] = {}
@@ -57,11 +86,7 @@ class BucketedGradients:
         if not self.staged:
             return self.buffer[bucket.start:bucket.start + bucket.numel]
         if bucket.index not in self._staging:
-            size = max(b.numel for b in self.layout.buckets)
-            buf = self._free.pop() if self._free else torch.empty(size, dtype=torch.float32, device=self._device)
-            view = buf[:bucket.numel]
-            view.zero_()
-            self._staging[bucket.index] = view
+            self._staging[bucket.index] = self._inflight.acquire(bucket.numel, self._device)
         return self._staging[bucket.index]
 
     def grad(self, param: torch.nn.Parameter) -> torch.Tensor:
@@ -96,6 +121,8 @@ class BucketedGradients:
         if self.world_size > 1:
             tensor.div_(self.world_size)  # pre-divide: the sum of averages is the average
         self._handles[bucket.index] = self.reduce_bucket(bucket, tensor)
+        if self.staged:
+            self._inflight.track(self._handles[bucket.index], self._staging.pop(bucket.index))
         self._next_to_launch += 1
 
     def _zero_missing(self) -> None:
@@ -117,7 +144,7 @@ class BucketedGradients:
         self._arrived.clear()
         self._next_to_launch = 0
         if self.staged:
-            self._free.extend(t._base if t._base is not None else t for t in self._staging.values())
+            self._inflight.drain()
             self._staging.clear()
 
     def start_window(self) -> None:

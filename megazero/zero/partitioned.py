@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megazero.distributed import all_reduce_values
-from megazero.zero.buckets import BucketedGradients
+from megazero.zero.buckets import BucketedGradients, InflightLimit
 from megazero.zero.collectives import Handle, all_gather_chunks, reduce_scatter_chunks
 from megazero.zero.layout import Bucket, FlatLayout
 
@@ -25,7 +25,8 @@ from megazero.zero.layout import Bucket, FlatLayout
 class _GroupPartition:
     """One optimizer param group: its layout, flat parameters, master and gradient partitions."""
 
-    def __init__(self, params: list[torch.nn.Parameter], stage: int, group, bucket_numel: int, overlap: bool):
+    def __init__(self, params: list[torch.nn.Parameter], stage: int, group, bucket_numel: int, overlap: bool,
+                 inflight: InflightLimit):
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -41,7 +42,7 @@ class _GroupPartition:
         self.master = torch.nn.Parameter(self._own_chunks(self.flat_params).float())
         self.grad_partition = torch.zeros(self.layout.partition_numel, dtype=torch.float32, device=device)
         self.grads = BucketedGradients(self.layout, self._reduce_scatter, self.world_size, overlap,
-                                       staged=stage == 2, device=device)
+                                       staged=stage == 2, device=device, inflight=inflight)
 
     def _own_chunks(self, flat: torch.Tensor) -> torch.Tensor:
         return torch.cat([flat[slice(*self.layout.rank_range(b, self.rank))] for b in self.layout.buckets])
@@ -77,7 +78,8 @@ class PartitionedState:
         self.stage = stage
         self.group = group
         self.world_size = dist.get_world_size(group)
-        self.parts = [_GroupPartition(g, stage, group, bucket_numel, overlap) for g in groups if g]
+        inflight = InflightLimit()  # shared: bounds stage 2's staging buffers over all groups
+        self.parts = [_GroupPartition(g, stage, group, bucket_numel, overlap, inflight) for g in groups if g]
         self._part_of = {id(p): part for part in self.parts for p in part.layout.params}
 
     def optimizer_groups(self, groups: list[dict]) -> list[dict]:

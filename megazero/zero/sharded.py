@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megazero.distributed import all_reduce_values
-from megazero.zero.buckets import BucketedGradients
+from megazero.zero.buckets import BucketedGradients, InflightLimit
 from megazero.zero.collectives import Handle, all_gather_chunks, reduce_scatter_chunks
 from megazero.zero.init import materialize_init_shard
 from megazero.zero.layout import FlatLayout
@@ -32,7 +32,8 @@ def _empty_like(p: torch.Tensor) -> torch.Tensor:
 class _Shard:
     """One (unit, param group): this rank's chunk of the parameters, master weights and gradients."""
 
-    def __init__(self, params: list[torch.nn.Parameter], group_index: int, group, persistent: bool):
+    def __init__(self, params: list[torch.nn.Parameter], group_index: int, group, persistent: bool,
+                 inflight: InflightLimit):
         self.group_index = group_index
         self.group = group
         self.world_size = dist.get_world_size(group)
@@ -54,7 +55,7 @@ class _Shard:
         if not persistent:
             self.release()
         self.grads = BucketedGradients(self.layout, self._reduce_scatter, self.world_size, staged=True,
-                                       device=self.device)
+                                       device=self.device, inflight=inflight)
 
     def _point_params(self, full: torch.Tensor) -> None:
         self.full = full
@@ -138,6 +139,7 @@ class ShardedState:
         plan = [(model, [p for p in model.parameters() if id(p) not in in_unit], True)]
         plan += [(u, list(u.parameters()), False) for u in unit_roots]
         self.units: list[_Unit] = []
+        inflight = InflightLimit()  # shared by all shards: bounds the gradient staging memory
         for module, params, is_root in plan:
             shards = []
             for gi in range(len(groups)):
@@ -146,7 +148,7 @@ class ShardedState:
                     for p in mine:  # built under zero.Init: whole again, one unit at a time
                         materialize_init_shard(p, group)
                     persistent = sum(p.numel() for p in mine) < persistence_threshold
-                    shards.append(_Shard(mine, gi, group, persistent))
+                    shards.append(_Shard(mine, gi, group, persistent, inflight))
             unit = _Unit(module, shards, is_root)
             for shard in shards:
                 for p in shard.layout.params:

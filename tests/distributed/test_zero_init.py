@@ -1,0 +1,101 @@
+"""zero.Init builds a model already partitioned; GatheredParameters gathers it for user code."""
+
+from __future__ import annotations
+
+import resource
+
+import pytest
+import torch
+
+import megazero
+from megazero.data import GPTDataset, IndexedDataset
+from megazero.zero import GatheredParameters, Init
+from models.gpt import GPT, GPTConfig
+from tests.process_pool import ProcessPool
+from tests.training_helpers import TINY, base_config, global_mean
+
+STAGE3 = {"stage": 3, "stage3_param_persistence_threshold": 0}
+
+
+def _init_matches_plain_and_trains(prefix: str) -> dict:
+    megazero.set_seed(0)
+    plain = GPT(GPTConfig(**TINY))
+    megazero.set_seed(0)
+    with Init():
+        model = GPT(GPTConfig(**TINY))
+    local = sum(p.numel() for p in model.parameters())
+    engine, _, loader, _ = megazero.initialize(
+        model=model, training_data=GPTDataset(IndexedDataset(prefix), TINY["seq_length"], seed=0),
+        config=base_config(zero_optimization=STAGE3))
+    with GatheredParameters(list(engine.module.parameters())):
+        same = all(torch.equal(p, q) for p, q in zip(engine.module.parameters(), plain.parameters()))
+    data = iter(loader)
+    losses = [global_mean(engine.train_batch(data).item(), engine) for _ in range(3)]
+    return {"same": same, "local_after_init": local, "losses": losses}
+
+
+def _plain_losses(prefix: str) -> list:
+    megazero.set_seed(0)
+    engine, _, loader, _ = megazero.initialize(
+        model=GPT(GPTConfig(**TINY)), training_data=GPTDataset(IndexedDataset(prefix), TINY["seq_length"], seed=0),
+        config=base_config(zero_optimization=STAGE3))
+    data = iter(loader)
+    return [global_mean(engine.train_batch(data).item(), engine) for _ in range(3)]
+
+
+def test_init_builds_the_same_model_partitioned(pools, token_dataset_prefix_module):
+    results = pools(2).run(_init_matches_plain_and_trains, token_dataset_prefix_module)
+    reference = pools(2).run(_plain_losses, token_dataset_prefix_module)[0]
+    for result in results:
+        assert result["same"], "the Init-built model differs from the plain one"
+        assert result["local_after_init"] == 0, "after Init no parameter is held whole"
+        assert result["losses"] == pytest.approx(reference, rel=1e-6)
+
+
+def _modify_on_rank_one(prefix: str) -> list:
+    megazero.set_seed(0)
+    engine, _, _, _ = megazero.initialize(model=GPT(GPTConfig(**TINY)), config=base_config(zero_optimization=STAGE3))
+    weight = engine.module.blocks[0].mlp.fc.weight
+    with GatheredParameters([weight], modifier_rank=1):
+        if engine.dp_rank == 1:
+            weight.data.fill_(0.25)
+    assert weight.numel() == 0  # released again
+    with GatheredParameters([weight]):
+        seen = weight.detach().clone()
+    shard = weight._megazero_shard
+    pieces = [shard.master.detach()[f.partition_start:f.partition_start + f.numel]
+              for f in shard.layout.fragments(engine.dp_rank) if f.param is weight]
+    return [bool((seen == 0.25).all()), bool(pieces) and all(bool((x == 0.25).all()) for x in pieces)]
+
+
+def test_gathered_parameters_keeps_the_modifier_ranks_change(pools, token_dataset_prefix_module):
+    for gathered_ok, master_ok in pools(2).run(_modify_on_rank_one, token_dataset_prefix_module):
+        assert gathered_ok and master_ok
+
+
+BIG = dict(vocab_size=1000, seq_length=16, num_layers=12, hidden_size=1024, num_attention_heads=16)
+
+
+def _peak_rss_growth_building(use_init: bool) -> dict:
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    megazero.set_seed(0)
+    with Init(enabled=use_init):
+        model = GPT(GPTConfig(**BIG))
+    growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    full_bytes = sum(int(torch.Size(getattr(p, "_megazero_init_shape", p.shape)).numel()) for p in model.parameters()) * 4
+    held = sum(p.numel() + getattr(p, "_megazero_init_chunk", torch.empty(0)).numel() for p in model.parameters()) * 4
+    return {"growth": growth, "full": full_bytes, "held": held}
+
+
+@pytest.mark.slow
+def test_init_never_holds_the_whole_model():
+    """A 151M-parameter GPT (605 MB fp32) built on 2 ranks: each rank's peak memory grows by about
+    half of it plus one layer, far below the whole model."""
+    pool = ProcessPool(2)  # fresh processes: ru_maxrss is a lifetime peak
+    try:
+        with_init = pool.run(_peak_rss_growth_building, True)
+    finally:
+        pool.close()
+    for result in with_init:
+        assert abs(result["held"] - result["full"] / 2) < 0.01 * result["full"]
+        assert result["growth"] < 0.7 * result["full"], (result["growth"] / 2**20, result["full"] / 2**20)
