@@ -182,6 +182,12 @@ class Engine(torch.nn.Module):
             self.timers.log(["forward", "backward", "backward_reduce", "step", "optimizer"],
                             group=None, rank=self.global_rank)
 
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this rank holds in parameters, gradients and optimizer states (and its RSS)."""
+        from megazero.profiling.memory import engine_memory_report
+
+        return engine_memory_report(self)
+
     # ---- checkpoints -------------------------------------------------------------------
     def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None,
                         client_state: dict | None = None) -> str:

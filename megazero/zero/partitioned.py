@@ -145,6 +145,13 @@ class PartitionedState:
             for part in self.parts:
                 part.master.copy_(part._own_chunks(part.flat_params))
 
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors this rank holds, by kind (for memory reports)."""
+        grads = [part.grad_partition for part in self.parts]
+        grads += [part.grads.buffer for part in self.parts if part.grads.buffer is not None]
+        return {"parameters": [part.flat_params for part in self.parts], "gradients": grads,
+                "optimizer": [part.master for part in self.parts]}
+
     def start_window(self) -> None:
         """Discard gradients and start the next accumulation window."""
         for part in self.parts:

@@ -73,6 +73,11 @@ class ReplicatedState:
         """Re-read the master weights from the model (after loading model weights only)."""
         self.master.copy_from_model()
 
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors this rank holds, by kind (for memory reports)."""
+        return {"parameters": list(self.master.model_params), "gradients": [self.grads.buffer],
+                "optimizer": list(self.master.params) if self.master.separate else []}
+
     def start_window(self) -> None:
         """Discard gradients and start the next accumulation window."""
         self.grads.start_window()

@@ -252,6 +252,12 @@ class ShardedState:
             for s in self.parts:
                 s.master.copy_(s.shard)
 
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors this rank holds, by kind (shards, and whatever is gathered right now)."""
+        params = [s.shard for s in self.parts] + [s.full for s in self.parts if s.full is not None]
+        return {"parameters": params, "gradients": [s.grad_partition for s in self.parts],
+                "optimizer": [s.master for s in self.parts]}
+
     def start_window(self) -> None:
         """Discard gradients and start the next accumulation window."""
         for s in self.parts:

@@ -1,0 +1,95 @@
+"""Per-rank memory of model states: an estimate from the ZeRO formulas of this implementation, and
+a measurement of the tensors an engine actually holds.
+
+Bytes per parameter (Psi parameters, N data-parallel ranks, p = 2 for bf16/fp16 models, 4 for fp32;
+Adam: two fp32 moments, 8 bytes; fp32 master weights, 4 bytes):
+
+| stage | parameters | gradients | optimizer (moments + masters) |
+|---|---|---|---|
+| 0 | p Psi | 4 Psi (fp32 buffer) | 8 Psi + (4 Psi if p == 2) |
+| 1 | p Psi | 4 Psi (fp32 buffer) + 4 Psi/N (partition) | 12 Psi/N |
+| 2 | p Psi | 4 Psi/N (+ staging buckets while reducing) | 12 Psi/N |
+| 3 | p Psi/N (+ the gathered layer while in use) | 4 Psi/N (+ staging) | 12 Psi/N |
+
+For comparison, the ZeRO paper (mixed-precision Adam, fp16 gradients): 16 Psi, 4 Psi + 12 Psi/N,
+2 Psi + 14 Psi/N, 16 Psi/N. Gradients are kept in fp32 here (exact accumulation over micro-steps).
+Partitioned sizes include the padding of each bucket to a multiple of N.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "lamb": 8, "sgd": 4, "sgd_no_momentum": 0}
+
+
+def estimate_zero_memory(model_or_num_params, num_ranks: int, stage: int, precision: str = "bf16",
+                         optimizer: str = "adam") -> dict[str, float]:
+    """Per-rank bytes of parameters, gradients and optimizer states for this implementation."""
+    if isinstance(model_or_num_params, torch.nn.Module):
+        psi = sum(p.numel() for p in model_or_num_params.parameters() if p.requires_grad)
+    else:
+        psi = int(model_or_num_params)
+    if precision not in ("fp32", "bf16", "fp16"):
+        raise ValueError(f"precision must be fp32, bf16 or fp16, got {precision!r}")
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0-3, got {stage}")
+    p = 4 if precision == "fp32" else 2
+    k = OPTIMIZER_STATE_BYTES[optimizer.lower()]
+    n = num_ranks
+    if stage == 0:
+        params, grads, optim = p * psi, 4 * psi, k * psi + (4 * psi if p == 2 else 0)
+    elif stage == 1:
+        params, grads, optim = p * psi, 4 * psi + 4 * psi / n, (k + 4) * psi / n
+    elif stage == 2:
+        params, grads, optim = p * psi, 4 * psi / n, (k + 4) * psi / n
+    else:
+        params, grads, optim = p * psi / n, 4 * psi / n, (k + 4) * psi / n
+    return {"parameters": params, "gradients": grads, "optimizer_states": optim, "total": params + grads + optim,
+            "num_params": psi}
+
+
+def paper_zero_memory(num_params: int, num_ranks: int, stage: int) -> float:
+    """The ZeRO paper's per-rank bytes for mixed-precision Adam (K = 12)."""
+    psi, n = num_params, num_ranks
+    return {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n, 3: 16 * psi / n}[stage]
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None or t.numel() == 0:
+            continue
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def current_rss_bytes() -> int:
+    """This process's resident set size now (Linux /proc), 0 where unavailable."""
+    try:
+        with open(f"/proc/{os.getpid()}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+def engine_memory_report(engine) -> dict[str, int]:
+    """Bytes this rank holds now in parameters, gradients and optimizer states, plus RSS (and CUDA
+    allocator figures on GPUs)."""
+    held = engine.dp.memory_tensors()
+    optimizer = list(held["optimizer"])
+    for state in engine.optimizer.state.values():
+        optimizer += [v for v in state.values() if torch.is_tensor(v)]
+    report = {"parameters": tensor_bytes(held["parameters"]), "gradients": tensor_bytes(held["gradients"]),
+              "optimizer_states": tensor_bytes(optimizer), "rss": current_rss_bytes()}
+    report["total"] = report["parameters"] + report["gradients"] + report["optimizer_states"]
+    if torch.cuda.is_available():
+        report["cuda_allocated"] = torch.cuda.memory_allocated()
+        report["cuda_peak"] = torch.cuda.max_memory_allocated()
+    return report
