@@ -15,6 +15,35 @@ import torch
 import torch.distributed as dist
 
 
+class Traffic:
+    """Elements this process has sent and received through these collectives (ring-equivalent
+    volumes: reduce-scatter and all-gather move (N-1)/N of the buffer each way, all-reduce twice that)."""
+
+    def __init__(self):
+        self.sent = 0
+        self.received = 0
+
+    def add(self, sent: int, received: int) -> None:
+        self.sent += sent
+        self.received += received
+
+    def reset(self) -> None:
+        self.sent = self.received = 0
+
+
+traffic = Traffic()
+
+
+def all_reduce(tensor: torch.Tensor, group) -> Handle:
+    """Asynchronous sum all-reduce (native on every backend: gloo's is fast)."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return Handle([])
+    moved = 2 * (world - 1) * tensor.numel() // world
+    traffic.add(moved, moved)
+    return Handle([dist.all_reduce(tensor, group=group, async_op=True)])
+
+
 class Handle:
     """Pending communication: wait() blocks until it is done and then runs the finishing step."""
 
@@ -51,6 +80,7 @@ def reduce_scatter_chunks(buffer: torch.Tensor, group) -> Handle:
     mine = chunks[rank]
     if world == 1:
         return Handle([])
+    traffic.add((world - 1) * mine.numel(), (world - 1) * mine.numel())
     if uses_native_collectives(group):
         return Handle([dist.reduce_scatter_tensor(mine, buffer, group=group, async_op=True)])
     received = torch.empty((world - 1, chunks.shape[1]), dtype=buffer.dtype, device=buffer.device)
@@ -74,6 +104,7 @@ def all_gather_chunks(buffer: torch.Tensor, group) -> Handle:
     if world == 1:
         return Handle([])
     chunks = buffer.view(world, -1)
+    traffic.add((world - 1) * chunks.shape[1], (world - 1) * chunks.shape[1])
     if uses_native_collectives(group):
         return Handle([dist.all_gather_into_tensor(buffer, chunks[rank], group=group, async_op=True)])
     works = [dist.broadcast(chunks[r], src=_global(group, r), group=group, async_op=True) for r in range(world)]

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from megazero.precision import MasterParams
 from megazero.zero.buckets import BucketedGradients
-from megazero.zero.collectives import Handle
+from megazero.zero.collectives import Handle, all_reduce
 from megazero.zero.layout import FlatLayout
 
 
@@ -25,9 +25,7 @@ class ReplicatedState:
         self.grads = BucketedGradients(self.layout, self._all_reduce, self.world_size, overlap)
 
     def _all_reduce(self, bucket, tensor: torch.Tensor) -> Handle:
-        if self.world_size == 1:
-            return Handle([])
-        return Handle([dist.all_reduce(tensor, group=self.group, async_op=True)])
+        return all_reduce(tensor, self.group)
 
     def optimizer_groups(self, groups: list[dict]) -> list[dict]:
         """The optimizer's param groups, over the fp32 master weights."""
