@@ -43,7 +43,7 @@ lint: install
 	$(BIN)/ruff check megazero models scripts tests benchmarks
 
 bench: install data
-	$(BIN)/python benchmarks/bench_data_parallel.py $(ARGS)
+	$(BIN)/python benchmarks/bench_zero.py $(ARGS)
 
 clean:
 	rm -rf checkpoints runs wandb benchmarks/results .pytest_cache

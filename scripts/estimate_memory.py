@@ -1,0 +1,48 @@
+"""Per-rank memory of model states for each ZeRO stage, for a model config and a number of ranks.
+
+    python scripts/estimate_memory.py --model-config configs/gpt2_1.5b.json --num-ranks 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from megazero.profiling import estimate_zero_memory, paper_zero_memory  # noqa: E402
+from models.gpt import GPT, GPTConfig  # noqa: E402
+
+
+def count_parameters(model_config: str) -> int:
+    """Parameters of the GPT described by a model config, counted without allocating it."""
+    with torch.device("meta"):
+        return GPT(GPTConfig.from_json(model_config)).num_parameters()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-config", default=os.path.join(REPO, "configs", "gpt2_1.5b.json"))
+    parser.add_argument("--num-params", type=int, default=None, help="instead of --model-config")
+    parser.add_argument("--num-ranks", type=int, default=64)
+    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="bf16")
+    parser.add_argument("--optimizer", default="adam", help="adam, adamw, lamb, sgd")
+    args = parser.parse_args(argv)
+    psi = args.num_params or count_parameters(args.model_config)
+    gib = 2 ** 30
+    print(f"{psi / 1e6:,.1f} M parameters, {args.num_ranks} data-parallel ranks, {args.precision}, {args.optimizer}")
+    print(f"{'stage':<7}{'parameters':>12}{'gradients':>12}{'optimizer':>12}{'total GiB':>12}{'ZeRO paper':>12}")
+    for stage in range(4):
+        e = estimate_zero_memory(psi, args.num_ranks, stage, args.precision, args.optimizer)
+        paper = paper_zero_memory(psi, args.num_ranks, stage) / gib if args.precision != "fp32" else float("nan")
+        print(f"{stage:<7}{e['parameters'] / gib:>12.2f}{e['gradients'] / gib:>12.2f}"
+              f"{e['optimizer_states'] / gib:>12.2f}{e['total'] / gib:>12.2f}{paper:>12.2f}")
+    print("per rank, model states only (activations and communication buckets come on top)")
+
+
+if __name__ == "__main__":
+    main()
