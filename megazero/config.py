@@ -121,11 +121,13 @@ class ZeroConfig:
     reduce_bucket_size: int = 500_000_000  # elements per gradient bucket
     overlap_comm: bool = True  # start a bucket's reduction during backward, as soon as it fills
     stage3_param_persistence_threshold: int = 100_000  # stage 3: smaller units stay whole
+    stage3_prefetch_bucket_size: int = 50_000_000  # stage 3: prefetch the next layer up to this size (0: off)
 
     def validate(self, where: str) -> None:
         _require(self.stage in (0, 1, 2, 3), f"'{where}stage' must be 0, 1, 2 or 3, got {self.stage}")
         _require(self.stage3_param_persistence_threshold >= 0,
                  f"'{where}stage3_param_persistence_threshold' must be >= 0")
+        _require(self.stage3_prefetch_bucket_size >= 0, f"'{where}stage3_prefetch_bucket_size' must be >= 0")
         _require(self.reduce_bucket_size >= 1,
                  f"'{where}reduce_bucket_size' must be >= 1, got {self.reduce_bucket_size}")
 

@@ -17,7 +17,8 @@ def build_data_parallel_state(config: ZeroConfig, model: torch.nn.Module, groups
     if config.stage == 0:
         return ReplicatedState(groups, dp_group, config.reduce_bucket_size, config.overlap_comm)
     if config.stage == 3:
-        return ShardedState(model, groups, dp_group, config.stage3_param_persistence_threshold)
+        return ShardedState(model, groups, dp_group, config.stage3_param_persistence_threshold,
+                            config.stage3_prefetch_bucket_size)
     return PartitionedState(groups, dp_group, config.reduce_bucket_size, config.overlap_comm, config.stage)
 
 

@@ -7,8 +7,10 @@ root unit, gathered for the whole forward and backward. Per unit and optimizer p
 gradient chunk. A unit's parameters are all-gathered before its forward, released after it,
 gathered again when the gradient of its output arrives (just before its backward), and released
 once all its gradients have been reduce-scattered. Shards under `persistence_threshold` elements
-stay gathered. After the optimizer step only the shards change: the next forward gathers anew
-(persistent shards are all-gathered right away).
+stay gathered. Once the first step has shown the order the layers run in, the next layer's gather
+is started while the current one computes (forward: the next layer; backward: the previous one),
+for units up to `stage3_prefetch_bucket_size` elements. After the optimizer step only the shards
+change: the next forward gathers anew (persistent shards are all-gathered right away).
 """
 
 from __future__ import annotations
@@ -103,18 +105,28 @@ class _Unit:
         self.gathered = all(s.persistent for s in shards)
         self.grads_pending = 0
         self.num_params = sum(len(s.layout.params) for s in shards)
+        self.numel = sum(s.layout.numel for s in shards if not s.persistent)
+        self._pending: list[Handle] = []  # a prefetch in flight
+
+    def prefetch(self) -> None:
+        """Start gathering without waiting (the next gather() waits for it)."""
+        if not self.gathered and not self._pending:
+            self._pending = [s.start_gather() for s in self.shards if not s.persistent]
 
     def gather(self) -> None:
         """Make every parameter of the unit whole (no-op when it already is)."""
         if self.gathered:
             return
-        handles = [s.start_gather() for s in self.shards if not s.persistent]
-        for h in handles:
+        self.prefetch()
+        for h in self._pending:
             h.wait()
+        self._pending = []
         self.gathered = True
 
     def release(self) -> None:
         """Free the unit's non-persistent full parameters."""
+        if self._pending:  # a prefetch that was not used: complete the collective first
+            self.gather()
         if not self.gathered or all(s.persistent for s in self.shards):
             return
         for s in self.shards:
@@ -129,8 +141,11 @@ class ShardedState:
     stage = 3
 
     def __init__(self, model: torch.nn.Module, groups: list[list[torch.nn.Parameter]], group,
-                 persistence_threshold: int):
+                 persistence_threshold: int, prefetch_numel: int = 50_000_000):
         self.group = group
+        self.prefetch_numel = prefetch_numel
+        self._trace: list[_Unit] = []  # units in the order the first forward ran them
+        self._trace_done = False
         self.world_size = dist.get_world_size(group)
         group_of = {id(p): i for i, g in enumerate(groups) for p in g}
         unit_modules = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
@@ -161,11 +176,31 @@ class ShardedState:
     # ---- hooks ---------------------------------------------------------------------------------
     def _install_hooks(self) -> None:
         for unit in self.units:
-            unit.module.register_forward_pre_hook(lambda mod, args, unit=unit: unit.gather())
+            unit.module.register_forward_pre_hook(lambda mod, args, unit=unit: self._before_forward(unit))
             unit.module.register_forward_hook(lambda mod, args, out, unit=unit: self._after_forward(unit, out))
             for shard in unit.shards:
                 for p in shard.layout.params:
                     p.register_post_accumulate_grad_hook(lambda p, unit=unit: self._grad_arrived(unit))
+
+    def _neighbour(self, unit: _Unit, step: int) -> _Unit | None:
+        if not self._trace_done or unit.is_root or unit not in self._trace:
+            return None
+        index = self._trace.index(unit) + step
+        return self._trace[index] if 0 <= index < len(self._trace) else None
+
+    def _prefetch(self, unit: _Unit | None) -> None:
+        if unit is not None and 0 < unit.numel <= self.prefetch_numel:
+            unit.prefetch()
+
+    def _before_forward(self, unit: _Unit) -> None:
+        unit.gather()
+        if not self._trace_done and not unit.is_root:
+            self._trace.append(unit)
+        self._prefetch(self._neighbour(unit, +1))  # the next layer's gather overlaps this layer's forward
+
+    def _before_backward(self, unit: _Unit) -> None:
+        unit.gather()
+        self._prefetch(self._neighbour(unit, -1))  # backward runs the layers in reverse
 
     def _after_forward(self, unit: _Unit, output) -> None:
         if not torch.is_grad_enabled():
@@ -178,7 +213,7 @@ class ShardedState:
         unit.release()
         for tensor in _tensors(output):
             if tensor.requires_grad:
-                tensor.register_hook(lambda grad, unit=unit: unit.gather())
+                tensor.register_hook(lambda grad, unit=unit: self._before_backward(unit))
 
     def _grad_arrived(self, unit: _Unit) -> None:
         unit.grads_pending -= 1
@@ -216,6 +251,7 @@ class ShardedState:
             s.grads.finish_reduction()
         for unit in self.units:
             unit.release()
+        self._trace_done = True
 
     def grad_norm(self) -> float:
         """Global L2 norm of the (loss-scaled) gradients."""
