@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from megazero.zero import GatheredParameters
 from tests.process_pool import ProcessPool
 from tests.training_helpers import base_config, build_engine, train
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ODD_MODEL = dict(hidden_size=33, num_attention_heads=3, vocab_size=251, make_vocab_size_divisible_by=1)
 
 
@@ -110,7 +113,11 @@ def test_zero_to_fp32_equals_the_live_weights(pools, token_dataset_prefix_module
         assert torch.equal(state[name].to(live["model"][name].dtype), live["model"][name]), name
     for suffix in (".safetensors", ".pt"):
         out = str(tmp_path / f"consolidated{suffix}")
-        save_consolidated(state, out)
+        if suffix == ".pt":  # the command-line script
+            subprocess.run([sys.executable, os.path.join(REPO, "scripts", "zero_to_fp32.py"), save_dir, out],
+                           check=True, capture_output=True)
+        else:
+            save_consolidated(state, out)
         if suffix == ".pt":
             back = torch.load(out, weights_only=True)
         else:

@@ -82,7 +82,8 @@ def _peak_rss_growth_building(use_init: bool) -> dict:
     with Init(enabled=use_init):
         model = GPT(GPTConfig(**BIG))
     growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
-    full_bytes = sum(int(torch.Size(getattr(p, "_megazero_init_shape", p.shape)).numel()) for p in model.parameters()) * 4
+    shapes = [getattr(p, "_megazero_init_shape", p.shape) for p in model.parameters()]
+    full_bytes = sum(int(torch.Size(shape).numel()) for shape in shapes) * 4
     held = sum(p.numel() + getattr(p, "_megazero_init_chunk", torch.empty(0)).numel() for p in model.parameters()) * 4
     return {"growth": growth, "full": full_bytes, "held": held}
 

@@ -1,0 +1,21 @@
+"""Command-line scripts that need no data: the memory estimate."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_estimate_memory_for_gpt2_xl_on_64_ranks():
+    out = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "estimate_memory.py"), "--model-config",
+                          os.path.join(REPO, "configs", "gpt2_1.5b.json"), "--num-ranks", "64"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "1,557.7 M parameters, 64 data-parallel ranks" in out
+    rows = [line.split() for line in out.splitlines() if line[:2] in ("0 ", "1 ", "2 ", "3 ")]
+    totals = [float(row[4]) for row in rows]
+    assert len(rows) == 4 and totals == sorted(totals, reverse=True)
+    psi = float(out.split(" M parameters")[0].replace(",", "")) * 1e6
+    assert abs(float(rows[3][4]) - 18 * psi / 64 / 2**30) < 0.01  # stage 3, bf16: 18 bytes / parameter / N
