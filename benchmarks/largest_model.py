@@ -67,6 +67,8 @@ def worker(rank: int, port: int, kind: str, layers: int, args, queue) -> None:
         if "memory" not in str(e).lower() and not isinstance(e, MemoryError):
             print(f"rank {rank}, {kind}, {layers} layers: {type(e).__name__}: {str(e)[:200]}", flush=True)
     queue.put(ok)
+    queue.close()
+    queue.join_thread()  # flush before leaving: os._exit skips the queue's feeder thread
     os._exit(0)  # a rank whose peer failed may be stuck in a collective: do not wait for teardown
 
 

@@ -9,13 +9,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megazero import zero  # noqa: E402  megazero.zero.Init / GatheredParameters, as in DeepSpeed
 from megazero.config import ConfigError, EngineConfig, parse_config
 from megazero.distributed import init_distributed
 from megazero.engine import Engine
 
 __version__ = "0.1.0"
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "Engine", "EngineConfig", "ConfigError",
-           "set_seed", "__version__"]
+           "set_seed", "zero", "__version__"]
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

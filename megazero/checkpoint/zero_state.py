@@ -18,6 +18,7 @@ import torch
 
 from megazero.checkpoint.io import CheckpointError, load_file
 from megazero.zero.layout import FlatLayout
+from megazero.zero.master_partitions import load_master_partition, master_partition
 
 ZERO_FILE = "zero_pp_rank_{dp}_mp_rank_00_optim_states.pt"
 _ZERO_FILE_RE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
@@ -42,8 +43,8 @@ def zero_state(engine, names: dict[int, str]) -> dict:
         "dp_world_size": engine.dp_world_size,
         "dp_rank": engine.dp_rank,
         "optimizer": engine.optimizer.state_dict(),
-        "groups": [{"master": part.master.detach(), "layout": layout_meta(part.layout, names)}
-                   for part in engine.dp.parts],
+        "groups": [{"master": master_partition(part), "num_masters": len(part.masters),
+                    "layout": layout_meta(part.layout, names)} for part in engine.dp.parts],
     }
 
 
@@ -93,16 +94,28 @@ def read_zero_files(path: str) -> list[dict]:
     return states
 
 
+def _optimizer_indices(groups: list[dict]) -> list[list[int]]:
+    """Optimizer state indices of each part's masters (they follow one another in part order)."""
+    out, start = [], 0
+    for group in groups:
+        out.append(list(range(start, start + group["num_masters"])))
+        start += group["num_masters"]
+    return out
+
+
 def per_parameter_states(states: list[dict]) -> list[dict[str, dict[str, torch.Tensor]]]:
-    """For each param group: {'master': {name: tensor}, '<optimizer key>': {name: tensor}, ...}."""
+    """For each part: {'master': {name: tensor}, '<optimizer key>': {name: tensor}, ...}, plus the
+    non-tensor-per-element entries (e.g. Adam's step) under '_scalars'."""
     out = []
+    indices = _optimizer_indices(states[0]["groups"])
     for g, group in enumerate(states[0]["groups"]):
         meta = group["layout"]
         result = {"master": gather_partitions(meta, [s["groups"][g]["master"] for s in states])}
-        opt_states = [s["optimizer"]["state"].get(g, {}) for s in states]
-        for key, value in opt_states[0].items():
-            if torch.is_tensor(value) and value.numel() == group["master"].numel() and value.dim() == 1:
-                result[key] = gather_partitions(meta, [o[key] for o in opt_states])
+        first = states[0]["optimizer"]["state"].get(indices[g][0], {})
+        result["_scalars"] = {k: v for k, v in first.items() if not (torch.is_tensor(v) and v.dim() == 1)}
+        for key in [k for k, v in first.items() if torch.is_tensor(v) and v.dim() == 1]:
+            partitions = [torch.cat([s["optimizer"]["state"][i][key].reshape(-1) for i in indices[g]]) for s in states]
+            result[key] = gather_partitions(meta, partitions)
         out.append(result)
     return out
 
@@ -118,15 +131,22 @@ def load_zero_state(engine, path: str, names: dict[int, str]) -> None:
     states = read_zero_files(path)
     groups = per_parameter_states(states)
     if len(groups) != len(engine.dp.parts):
-        raise CheckpointError(f"{path}: {len(groups)} optimizer param groups saved, the engine has "
+        raise CheckpointError(f"{path}: {len(groups)} parameter partitions saved, the engine has "
                               f"{len(engine.dp.parts)}")
-    optimizer = states[0]["optimizer"]
-    masters = []
-    for g, (part, saved) in enumerate(zip(engine.dp.parts, groups)):
+    current = engine.optimizer.state_dict()
+    optimizer = {"state": {}, "param_groups": [{**saved, "params": now["params"]} for saved, now in
+                                               zip(states[0]["optimizer"]["param_groups"], current["param_groups"])]}
+    masters, index = [], 0
+    for part, saved in zip(engine.dp.parts, groups):
         masters.append(cut_partition(part.layout, engine.dp_rank, saved["master"], names))
-        for key, tensors in saved.items():
-            if key != "master":
-                optimizer["state"][g][key] = cut_partition(part.layout, engine.dp_rank, tensors, names)
+        cut = {key: part.layout.split_partition(cut_partition(part.layout, engine.dp_rank, tensors, names))
+               for key, tensors in saved.items() if key not in ("master", "_scalars")}
+        for b in range(len(part.masters)):
+            if cut or saved["_scalars"]:
+                # every master gets its own copy: optimizers update e.g. Adam's step tensor in place
+                scalars = {k: v.clone() if torch.is_tensor(v) else v for k, v in saved["_scalars"].items()}
+                optimizer["state"][index] = {**scalars, **{k: v[b].clone() for k, v in cut.items()}}
+            index += 1
     _apply(engine, optimizer, masters)
 
 
@@ -137,10 +157,9 @@ def _same_layouts(engine, state: dict, names: dict[int, str]) -> bool:
 
 def _apply(engine, optimizer_state: dict, masters: list[torch.Tensor]) -> None:
     engine.optimizer.load_state_dict(optimizer_state)
-    with torch.no_grad():
-        for part, master in zip(engine.dp.parts, masters):
-            if master.shape != part.master.shape:
-                raise CheckpointError(f"master partition of {master.numel()} elements, expected "
-                                      f"{part.master.numel()}")
-            part.master.copy_(master)
+    for part, master in zip(engine.dp.parts, masters):
+        if master.numel() != part.layout.partition_numel:
+            raise CheckpointError(f"master partition of {master.numel()} elements, expected "
+                                  f"{part.layout.partition_numel}")
+        load_master_partition(part, master)
     engine.dp.update_model()

@@ -2,14 +2,15 @@
 a measurement of the tensors an engine actually holds.
 
 Bytes per parameter (Psi parameters, N data-parallel ranks, p = 2 for bf16/fp16 models, 4 for fp32;
-Adam: two fp32 moments, 8 bytes; fp32 master weights, 4 bytes):
+k = 8 for Adam's two fp32 moments; m = 4 for the fp32 master copy of a 16-bit model, 0 for an fp32
+model, whose own (partitioned) parameters are the masters):
 
 | stage | parameters | gradients | optimizer (moments + masters) |
 |---|---|---|---|
-| 0 | p Psi | 4 Psi (fp32 buffer) | 8 Psi + (4 Psi if p == 2) |
-| 1 | p Psi | 4 Psi (fp32 buffer) + 4 Psi/N (partition) | 12 Psi/N |
-| 2 | p Psi | 4 Psi/N (+ staging buckets while reducing) | 12 Psi/N |
-| 3 | p Psi/N (+ the gathered layer while in use) | 4 Psi/N (+ staging) | 12 Psi/N |
+| 0 | p Psi | 4 Psi (fp32 buffer) | (k + m) Psi |
+| 1 | p Psi | 4 Psi (fp32 buffer; each rank's reduced chunk stays in it) | (k + m) Psi/N |
+| 2 | p Psi | 4 Psi/N (+ staging buckets while reducing) | (k + m) Psi/N |
+| 3 | p Psi/N (+ the gathered layer while in use) | 4 Psi/N (+ staging) | (k + m) Psi/N |
 
 For comparison, the ZeRO paper (mixed-precision Adam, fp16 gradients): 16 Psi, 4 Psi + 12 Psi/N,
 2 Psi + 14 Psi/N, 16 Psi/N. Gradients are kept in fp32 here (exact accumulation over micro-steps).
@@ -37,16 +38,11 @@ def estimate_zero_memory(model_or_num_params, num_ranks: int, stage: int, precis
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0-3, got {stage}")
     p = 4 if precision == "fp32" else 2
-    k = OPTIMIZER_STATE_BYTES[optimizer.lower()]
+    per_param = OPTIMIZER_STATE_BYTES[optimizer.lower()] + (4 if p == 2 else 0)
     n = num_ranks
-    if stage == 0:
-        params, grads, optim = p * psi, 4 * psi, k * psi + (4 * psi if p == 2 else 0)
-    elif stage == 1:
-        params, grads, optim = p * psi, 4 * psi + 4 * psi / n, (k + 4) * psi / n
-    elif stage == 2:
-        params, grads, optim = p * psi, 4 * psi / n, (k + 4) * psi / n
-    else:
-        params, grads, optim = p * psi / n, 4 * psi / n, (k + 4) * psi / n
+    params = p * psi / (n if stage == 3 else 1)
+    grads = 4 * psi / (n if stage >= 2 else 1)
+    optim = per_param * psi / (n if stage >= 1 else 1)
     return {"parameters": params, "gradients": grads, "optimizer_states": optim, "total": params + grads + optim,
             "num_params": psi}
 

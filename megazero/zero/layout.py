@@ -84,6 +84,14 @@ class FlatLayout:
         chunk = bucket.chunk(self.world_size)
         return bucket.start + rank * chunk, bucket.start + (rank + 1) * chunk
 
+    def split_partition(self, partition: torch.Tensor) -> list[torch.Tensor]:
+        """Views of a partition-sized tensor, one per bucket (that bucket's chunk)."""
+        return [partition[b.partition_offset:b.partition_offset + b.chunk(self.world_size)] for b in self.buckets]
+
+    def own_chunks(self, flat: torch.Tensor, rank: int) -> list[torch.Tensor]:
+        """Views of a layout-sized tensor: `rank`'s chunk of every bucket."""
+        return [flat[slice(*self.rank_range(b, rank))] for b in self.buckets]
+
     def fragments(self, rank: int) -> list[Fragment]:
         """Every piece of a parameter that lies in `rank`'s partition."""
         out = []

@@ -1,14 +1,15 @@
 """ZeRO stages 1 and 2: fp32 master weights and optimizer states partitioned over data-parallel ranks.
 
 Per optimizer param group, parameters live in one flat buffer (model dtype) laid out by a
-FlatLayout; each rank owns one chunk of every bucket. The rank's fp32 master partition is a single
-flat tensor, so the optimizer (and its states) cover 1/N of the model.
+FlatLayout; each rank owns one chunk of every bucket, and the optimizer updates one fp32 master
+tensor per owned chunk, so it (and its states) cover 1/N of the model. For an fp32 model the
+masters are the owned chunks of the flat parameters themselves; for bf16/fp16 they are fp32 copies.
 
 Stage 1 keeps a full fp32 gradient buffer, accumulates locally, and on the boundary reduce-scatters
-each bucket as it fills. Stage 2 borrows a bucket-sized buffer per bucket, reduce-scatters every
-micro-step into the fp32 gradient partition, and returns the buffer: no rank holds the whole
-gradient. After the optimizer step every rank casts its chunks into the flat parameter buffer and
-the buckets are all-gathered in place.
+each bucket as it fills; the masters' gradients are the owned chunks of that buffer. Stage 2
+borrows a bucket-sized buffer per bucket, reduce-scatters every micro-step into an fp32 gradient
+partition, and drops the buffer: no rank holds the whole gradient. After the optimizer step every
+rank casts its masters into its chunks (16-bit) and the buckets are all-gathered in place.
 """
 
 from __future__ import annotations
@@ -16,17 +17,18 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megazero.distributed import all_reduce_values
 from megazero.zero.buckets import BucketedGradients, InflightLimit
 from megazero.zero.collectives import Handle, all_gather_chunks, reduce_scatter_chunks
 from megazero.zero.layout import Bucket, FlatLayout
+from megazero.zero.master_partitions import MasterPartitions
 
 
 class _GroupPartition:
-    """One optimizer param group: its layout, flat parameters, master and gradient partitions."""
+    """One optimizer param group: its layout, flat parameters, master and gradient chunks."""
 
-    def __init__(self, params: list[torch.nn.Parameter], stage: int, group, bucket_numel: int, overlap: bool,
-                 inflight: InflightLimit):
+    def __init__(self, params: list[torch.nn.Parameter], group_index: int, stage: int, group, bucket_numel: int,
+                 overlap: bool, inflight: InflightLimit):
+        self.group_index = group_index
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -39,36 +41,50 @@ class _GroupPartition:
                 view = self.flat_params[offset:offset + p.numel()].view_as(p)
                 view.copy_(p)
                 p.data = view  # the model's parameters now live in the flat buffer
-        self.master = torch.nn.Parameter(self._own_chunks(self.flat_params).float())
-        self.grad_partition = torch.zeros(self.layout.partition_numel, dtype=torch.float32, device=device)
+        own = self.layout.own_chunks(self.flat_params, self.rank)
+        # an fp32 model's own chunks are the master weights themselves: no copy, nothing to cast back
+        self.aliased = dtype == torch.float32
+        if self.aliased:
+            self.masters = [torch.nn.Parameter(chunk) for chunk in own]
+        else:
+            flat_master = torch.cat(own).float()
+            self.masters = [torch.nn.Parameter(view) for view in self.layout.split_partition(flat_master)]
+        self.stage = stage
         self.grads = BucketedGradients(self.layout, self._reduce_scatter, self.world_size, overlap,
                                        staged=stage == 2, device=device, inflight=inflight)
-
-    def _own_chunks(self, flat: torch.Tensor) -> torch.Tensor:
-        return torch.cat([flat[slice(*self.layout.rank_range(b, self.rank))] for b in self.layout.buckets])
-
-    def _partition_slice(self, bucket: Bucket) -> torch.Tensor:
-        chunk = bucket.chunk(self.world_size)
-        return self.grad_partition[bucket.partition_offset:bucket.partition_offset + chunk]
+        if stage == 1:  # reduced gradients stay in the full buffer: this rank's chunk of each bucket
+            self.grad_partition = None
+            self.grad_views = self.layout.own_chunks(self.grads.buffer, self.rank)
+        else:
+            self.grad_partition = torch.zeros(self.layout.partition_numel, dtype=torch.float32, device=device)
+            self.grad_views = self.layout.split_partition(self.grad_partition)
 
     def _reduce_scatter(self, bucket: Bucket, tensor: torch.Tensor) -> Handle:
         inner = reduce_scatter_chunks(tensor, self.group)
+        if self.stage == 1:  # the reduced chunk is already where the master's gradient view points
+            return inner
         mine = tensor.view(self.world_size, -1)[self.rank]
-        return Handle([inner], lambda: self._partition_slice(bucket).add_(mine))
+        return Handle([inner], lambda: self.grad_views[bucket.index].add_(mine))
 
     def gather_params(self) -> list[Handle]:
         """Cast the master chunks into the flat parameters and start the all-gather of every bucket."""
         handles = []
         with torch.no_grad():
-            for b in self.layout.buckets:
-                lo, hi = self.layout.rank_range(b, self.rank)
-                chunk = b.chunk(self.world_size)
-                self.flat_params[lo:hi].copy_(self.master[b.partition_offset:b.partition_offset + chunk])
+            for b, master in zip(self.layout.buckets, self.masters):
+                if not self.aliased:
+                    self.flat_params[slice(*self.layout.rank_range(b, self.rank))].copy_(master)
                 handles.append(all_gather_chunks(self.flat_params[b.start:b.start + b.numel], self.group))
         return handles
 
+    def reset_masters(self) -> None:
+        """Re-read the masters from the flat parameters."""
+        if not self.aliased:
+            with torch.no_grad():
+                for master, chunk in zip(self.masters, self.layout.own_chunks(self.flat_params, self.rank)):
+                    master.copy_(chunk)
 
-class PartitionedState:
+
+class PartitionedState(MasterPartitions):
     """ZeRO stage 1 or 2 over the optimizer's param groups (same interface as ReplicatedState)."""
 
     def __init__(self, groups: list[list[torch.nn.Parameter]], group, bucket_numel: int, overlap: bool,
@@ -79,18 +95,8 @@ class PartitionedState:
         self.group = group
         self.world_size = dist.get_world_size(group)
         inflight = InflightLimit()  # shared: bounds stage 2's staging buffers over all groups
-        self.parts = [_GroupPartition(g, stage, group, bucket_numel, overlap, inflight) for g in groups if g]
-        self._part_of = {id(p): part for part in self.parts for p in part.layout.params}
-
-    def optimizer_groups(self, groups: list[dict]) -> list[dict]:
-        """One flat fp32 master partition per param group."""
-        out = []
-        for g in groups:
-            if not g["params"]:
-                continue
-            part = self._part_of[id(g["params"][0])]
-            out.append({**g, "params": [part.master]})
-        return out
+        self.parts = [_GroupPartition(g, gi, stage, group, bucket_numel, overlap, inflight)
+                      for gi, g in enumerate(groups) if g]
 
     @property
     def bucket_count(self) -> int:
@@ -113,26 +119,6 @@ class PartitionedState:
         for part in self.parts:
             part.grads.finish_reduction()
 
-    def grad_norm(self) -> float:
-        """Global L2 norm of the (loss-scaled) gradients, summed over the partitions."""
-        local = sum(float(torch.sum(part.grad_partition.double() ** 2)) for part in self.parts)
-        return all_reduce_values([local], group=self.group)[0] ** 0.5
-
-    def scale_gradients(self, factor: float) -> None:
-        """Multiply the gradient partitions by `factor`."""
-        for part in self.parts:
-            part.grad_partition.mul_(factor)
-
-    def attach_grads(self) -> None:
-        """The master partitions' gradients are the reduced gradient partitions."""
-        for part in self.parts:
-            part.master.grad = part.grad_partition
-
-    def detach_grads(self) -> None:
-        """Drop the gradient references from the master partitions."""
-        for part in self.parts:
-            part.master.grad = None
-
     def update_model(self) -> None:
         """All-gather the updated parameters into every rank's model."""
         handles = [h for part in self.parts for h in part.gather_params()]
@@ -140,20 +126,20 @@ class PartitionedState:
             handle.wait()
 
     def reset_masters(self) -> None:
-        """Re-read the master partitions from the model (after loading model weights only)."""
-        with torch.no_grad():
-            for part in self.parts:
-                part.master.copy_(part._own_chunks(part.flat_params))
+        """Re-read the masters from the model (after loading model weights only)."""
+        for part in self.parts:
+            part.reset_masters()
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The tensors this rank holds, by kind (for memory reports)."""
-        grads = [part.grad_partition for part in self.parts]
+        grads = [part.grad_partition for part in self.parts if part.grad_partition is not None]
         grads += [part.grads.buffer for part in self.parts if part.grads.buffer is not None]
-        return {"parameters": [part.flat_params for part in self.parts], "gradients": grads,
-                "optimizer": [part.master for part in self.parts]}
+        masters = [m for part in self.parts if not part.aliased for m in part.masters]
+        return {"parameters": [part.flat_params for part in self.parts], "gradients": grads, "optimizer": masters}
 
     def start_window(self) -> None:
         """Discard gradients and start the next accumulation window."""
         for part in self.parts:
             part.grads.start_window()
-            part.grad_partition.zero_()
+            if part.grad_partition is not None:
+                part.grad_partition.zero_()

@@ -18,11 +18,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megazero.distributed import all_reduce_values
 from megazero.zero.buckets import BucketedGradients, InflightLimit
 from megazero.zero.collectives import Handle, all_gather_chunks, reduce_scatter_chunks
 from megazero.zero.init import materialize_init_shard
 from megazero.zero.layout import FlatLayout
+from megazero.zero.master_partitions import MasterPartitions
 
 _UNBOUNDED = 1 << 62  # one bucket per shard
 
@@ -50,8 +50,12 @@ class _Shard:
                 full[self.layout.offsets[p]:self.layout.offsets[p] + p.numel()].copy_(p.reshape(-1))
         lo, hi = self.layout.rank_range(self.bucket, self.rank)
         self.shard = full[lo:hi].clone()
-        self.master = torch.nn.Parameter(self.shard.float())
+        # fp32 models: the shard is the master weight itself; 16-bit: an fp32 copy
+        self.aliased = self.dtype == torch.float32
+        self.master = torch.nn.Parameter(self.shard if self.aliased else self.shard.float())
+        self.masters = [self.master]
         self.grad_partition = torch.zeros(hi - lo, dtype=torch.float32, device=self.device)
+        self.grad_views = [self.grad_partition]
         self.full: torch.Tensor | None = None
         self._point_params(full)
         if not persistent:
@@ -87,7 +91,8 @@ class _Shard:
         lo, hi = self.layout.rank_range(self.bucket, self.rank)
         with torch.no_grad():
             self.shard.copy_(self.full[lo:hi])
-            self.master.copy_(self.shard)
+            if not self.aliased:
+                self.master.copy_(self.shard)
 
     def _reduce_scatter(self, bucket, tensor: torch.Tensor) -> Handle:
         inner = reduce_scatter_chunks(tensor, self.group)
@@ -135,7 +140,7 @@ class _Unit:
         self.gathered = False
 
 
-class ShardedState:
+class ShardedState(MasterPartitions):
     """ZeRO stage 3 over the optimizer's param groups (same interface as ReplicatedState)."""
 
     stage = 3
@@ -221,15 +226,6 @@ class ShardedState:
             unit.release()
 
     # ---- the engine's interface ------------------------------------------------------------------
-    def optimizer_groups(self, groups: list[dict]) -> list[dict]:
-        """One optimizer group per param group, over that group's master shards."""
-        out = []
-        for gi, g in enumerate(groups):
-            masters = [s.master for s in self.parts if s.group_index == gi]
-            if masters:
-                out.append({**g, "params": masters})
-        return out
-
     @property
     def bucket_count(self) -> int:
         """Shards (each reduced as one bucket)."""
@@ -253,31 +249,12 @@ class ShardedState:
             unit.release()
         self._trace_done = True
 
-    def grad_norm(self) -> float:
-        """Global L2 norm of the (loss-scaled) gradients."""
-        local = sum(float(torch.sum(s.grad_partition.double() ** 2)) for s in self.parts)
-        return all_reduce_values([local], group=self.group)[0] ** 0.5
-
-    def scale_gradients(self, factor: float) -> None:
-        """Multiply the gradient shards by `factor`."""
-        for s in self.parts:
-            s.grad_partition.mul_(factor)
-
-    def attach_grads(self) -> None:
-        """The master shards' gradients are the reduced gradient shards."""
-        for s in self.parts:
-            s.master.grad = s.grad_partition
-
-    def detach_grads(self) -> None:
-        """Drop the gradient references."""
-        for s in self.parts:
-            s.master.grad = None
-
     def update_model(self) -> None:
         """Cast the masters into the parameter shards; re-gather the persistent ones."""
         with torch.no_grad():
             for s in self.parts:
-                s.shard.copy_(s.master)
+                if not s.aliased:
+                    s.shard.copy_(s.master)
         handles = [s.start_gather() for s in self.parts if s.persistent]
         for h in handles:
             h.wait()
@@ -286,29 +263,20 @@ class ShardedState:
         """Re-read the master shards from the parameter shards."""
         with torch.no_grad():
             for s in self.parts:
-                s.master.copy_(s.shard)
+                if not s.aliased:
+                    s.master.copy_(s.shard)
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The tensors this rank holds, by kind (shards, and whatever is gathered right now)."""
         params = [s.shard for s in self.parts] + [s.full for s in self.parts if s.full is not None]
         return {"parameters": params, "gradients": [s.grad_partition for s in self.parts],
-                "optimizer": [s.master for s in self.parts]}
+                "optimizer": [s.master for s in self.parts if not s.aliased]}
 
     def start_window(self) -> None:
         """Discard gradients and start the next accumulation window."""
         for s in self.parts:
             s.grads.start_window()
             s.grad_partition.zero_()
-
-    def gather_all(self) -> None:
-        """Make every parameter whole (for user code, checkpoints of the full model)."""
-        for unit in self.units:
-            unit.gather()
-
-    def release_all(self) -> None:
-        """Undo gather_all()."""
-        for unit in self.units:
-            unit.release()
 
 
 def _tensors(output):

@@ -11,6 +11,7 @@ import torch
 
 from megazero.checkpoint.consolidate import consolidate_fp32_state_dict, save_consolidated
 from megazero.zero import GatheredParameters
+from megazero.zero.master_partitions import master_partition
 from tests.process_pool import ProcessPool
 from tests.training_helpers import base_config, build_engine, train
 
@@ -83,8 +84,9 @@ def _live_weights(prefix: str, config: dict, save_dir: str) -> dict:
     if engine.dp.stage > 0:  # the fp32 masters, all-gathered
         for part in engine.dp.parts:
             full = torch.zeros(part.layout.numel)
-            pieces = [torch.zeros_like(part.master.detach()) for _ in range(engine.dp_world_size)]
-            torch.distributed.all_gather(pieces, part.master.detach(), group=engine.dp_group)
+            mine = master_partition(part)
+            pieces = [torch.zeros_like(mine) for _ in range(engine.dp_world_size)]
+            torch.distributed.all_gather(pieces, mine, group=engine.dp_group)
             for rank, piece in enumerate(pieces):
                 for b in part.layout.buckets:
                     lo, hi = part.layout.rank_range(b, rank)
