@@ -17,15 +17,16 @@ PYTEST_ARGS ?=
 
 install: $(INSTALL_STAMP)
 
-$(INSTALL_STAMP): pyproject.toml
+$(INSTALL_STAMP): pyproject.toml requirements.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
-	$(BIN)/pip install -q --disable-pip-version-check -e ".[dev]"
+	$(BIN)/pip install -q --disable-pip-version-check -r requirements.txt -e ".[dev]"
 	@touch $@
 
 data: $(DATA_STAMP)
 
-$(DATA_STAMP): $(INSTALL_STAMP) scripts/fetch_corpus.py scripts/preprocess_data.py
+# the install is an order-only prerequisite: a reinstall does not make the data stale
+$(DATA_STAMP): scripts/fetch_corpus.py scripts/preprocess_data.py | $(INSTALL_STAMP)
 	$(BIN)/python scripts/fetch_corpus.py --out $(CORPUS_DIR)
 	$(BIN)/python scripts/preprocess_data.py --input $(CORPUS_DIR) --output-prefix $(DATA_PREFIX) \
 		--vocab-size 8000 --valid-fraction 0.05
