@@ -157,6 +157,22 @@ class WandbConfig:
         pass
 
 
+@dataclass
+class FlopsProfilerConfig:
+    """`flops_profiler`: profile the forward of one step (DeepSpeed's keys)."""
+
+    enabled: bool = False
+    profile_step: int = 1  # the optimizer step (1-based) whose first forward is profiled
+    module_depth: int = -1  # -1: every depth
+    top_modules: int = 1
+    detailed: bool = True
+    output_file: str | None = None  # default: print on rank 0
+
+    def validate(self, where: str) -> None:
+        _require(self.profile_step >= 1, f"'{where}profile_step' must be >= 1, got {self.profile_step}")
+        _require(self.top_modules >= 1, f"'{where}top_modules' must be >= 1, got {self.top_modules}")
+
+
 OPTIMIZER_PARAMS: dict[str, set[str]] = {
     "adam": {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam", "amsgrad", "bias_correction"},
     "adamw": {"lr", "betas", "eps", "weight_decay", "torch_adam", "amsgrad", "bias_correction"},
@@ -219,6 +235,7 @@ class EngineConfig:
     wall_clock_breakdown: bool = False
     tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    flops_profiler: FlopsProfilerConfig = field(default_factory=FlopsProfilerConfig)
     seed: int | None = None
 
     @property
@@ -251,6 +268,7 @@ _SECTIONS = {
     "zero_optimization": ZeroConfig,
     "tensorboard": TensorBoardConfig,
     "wandb": WandbConfig,
+    "flops_profiler": FlopsProfilerConfig,
 }
 
 

@@ -49,6 +49,7 @@ class Engine(torch.nn.Module):
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
         self.last_step_overflowed = False
+        self.last_flops_profile: str | None = None
         self._optimizer_unscales = (isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
                                     and bool(optimizer.defaults.get("fused")))
 
@@ -79,10 +80,25 @@ class Engine(torch.nn.Module):
 
     # ---- the training step -------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
-        """Run the wrapped model."""
+        """Run the wrapped model (profiling its FLOPs on the configured step)."""
+        profile = self.config.flops_profiler
+        profiling = (profile.enabled and self.global_steps + 1 == profile.profile_step
+                     and self.micro_steps % self.gradient_accumulation_steps() == 0)
+        if profiling:
+            from megazero.profiling.flops_profiler import FlopsProfiler
+
+            profiler = FlopsProfiler(self.module)
+            profiler.start_profile()
         self.timers("forward").start()
         out = self.module(*inputs, **kwargs)
         self.timers("forward").stop()
+        if profiling:
+            profiler.stop_profile()
+            self.last_flops_profile = profiler.print_model_profile(
+                profile.module_depth, profile.top_modules, profile.detailed,
+                profile.output_file if self.global_rank == 0 else None)
+            if self.global_rank == 0 and profile.output_file is None:
+                print(self.last_flops_profile, flush=True)
         return out
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
