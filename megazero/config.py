@@ -122,12 +122,18 @@ class ZeroConfig:
     overlap_comm: bool = True  # start a bucket's reduction during backward, as soon as it fills
     stage3_param_persistence_threshold: int = 100_000  # stage 3: smaller units stay whole
     stage3_prefetch_bucket_size: int = 50_000_000  # stage 3: prefetch the next layer up to this size (0: off)
+    contiguous_gradients: bool = True  # gradient partitions are always one contiguous buffer here
+    reduce_scatter: bool = True  # stages 2-3 always reduce-scatter (never all-reduce) the gradients
 
     def validate(self, where: str) -> None:
         _require(self.stage in (0, 1, 2, 3), f"'{where}stage' must be 0, 1, 2 or 3, got {self.stage}")
         _require(self.stage3_param_persistence_threshold >= 0,
                  f"'{where}stage3_param_persistence_threshold' must be >= 0")
         _require(self.stage3_prefetch_bucket_size >= 0, f"'{where}stage3_prefetch_bucket_size' must be >= 0")
+        _require(self.contiguous_gradients, f"'{where}contiguous_gradients' false is not supported: megazero "
+                                            f"always keeps gradients in contiguous buffers")
+        _require(self.reduce_scatter, f"'{where}reduce_scatter' false is not supported: gradients are always "
+                                      f"reduce-scattered")
         _require(self.reduce_bucket_size >= 1,
                  f"'{where}reduce_bucket_size' must be >= 1, got {self.reduce_bucket_size}")
 

@@ -58,6 +58,8 @@ def test_data_parallel_size_is_used():
     ({"train_batch_size": 8, "gradient_clipping": -1}, "'gradient_clipping' must be >= 0"),
     ({"train_batch_size": 8, "fp16": {"hysteresis": 0}}, "'fp16.hysteresis' must be >= 1"),
     ({"train_batch_size": 8, "zero_optimization": {"stage": 4}}, "'zero_optimization.stage' must be 0, 1, 2 or 3"),
+    ({"train_batch_size": 8, "zero_optimization": {"stage": 2, "contiguous_gradients": False}},
+     "'zero_optimization.contiguous_gradients' false is not supported"),
     ({"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"lr": -1.0}}},
      "'optimizer.params.lr' must be >= 0"),
 ])
