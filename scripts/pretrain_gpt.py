@@ -163,7 +163,8 @@ class ProgressLog:
         iters = len(self.losses)
         loss_avg = average_across_ranks(sum(self.losses) / iters, self.engine.dp_group)
         tokens_per_s = iters * self.engine.train_batch_size() * self.args.seq_length / elapsed
-        mfu = tokens_per_s * self.flops_per_token / (self.peak_flops * self.engine.dp_world_size)
+        tflops_per_rank = tokens_per_s * self.flops_per_token / self.engine.dp_world_size / 1e12
+        mfu = tflops_per_rank * 1e12 / self.peak_flops
         done = it - self.run_start_iter
         eta = (time.perf_counter() - self.run_start) / max(done, 1) * (self.args.train_iters - it)
         if self.rank == 0:
@@ -172,12 +173,13 @@ class ProgressLog:
                   f"elapsed time per iteration (ms): {1000 * elapsed / iters:7.1f} | lm loss: {loss_avg:.4f} | "
                   f"learning rate: {self.engine.get_lr()[0]:.3e} | loss scale: {self.engine.get_loss_scale():g} | "
                   f"grad norm: {grad_norm:.3f} | skipped: {self.engine.skipped_steps} | "
-                  f"tokens/s: {tokens_per_s:,.0f} | MFU: {100 * mfu:.1f}% | ETA: {eta / 60:.1f} min", flush=True)
+                  f"tokens/s: {tokens_per_s:,.0f} | TFLOP/s per rank: {tflops_per_rank:.3f} | MFU: {100 * mfu:.1f}% | "
+                  f"ETA: {eta / 60:.1f} min", flush=True)
         self.engine.monitor.write(it, {
             "lm loss": loss_avg, "learning-rate": self.engine.get_lr()[0],
             "loss-scale": self.engine.get_loss_scale(), "grad-norm": self.engine.last_grad_norm or 0.0,
             "iteration-time": elapsed / iters, "throughput/tokens-per-sec": tokens_per_s,
-            "throughput/mfu": mfu})
+            "throughput/tflops-per-rank": tflops_per_rank, "throughput/mfu": mfu})
         self.losses = []
         self.window_start = time.perf_counter()
 

@@ -55,6 +55,14 @@ def test_pretrain_gpt_trains_logs_saves_and_resumes(corpus_prefix, tmp_path):
     assert [step for step, _ in scalars["lm loss"]] == list(range(10, 201, 10))
     assert scalars["lm loss"][-1][1] == pytest.approx(losses[-1], abs=1e-4)
 
+    assert "TFLOP/s per rank:" in out and "throughput/tflops-per-rank" in scalars
+
+    plot = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "plot_logs.py"), str(tmp_path / "tb"),
+                           "--out", str(tmp_path / "curves.png")], capture_output=True, text=True)
+    assert plot.returncode == 0, plot.stderr
+    assert "lm loss validation" in plot.stdout and "learning-rate" in plot.stdout
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
     resumed = _run_recipe(corpus_prefix, tmp_path, 220)
     assert "at iteration 200" in resumed and "iteration    220/220" in resumed
     assert "global_step220" in os.listdir(tmp_path / "ckpt")
