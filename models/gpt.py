@@ -14,6 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from megazero.activation_checkpointing import checkpoint
+
 
 @dataclass
 class GPTConfig:
@@ -28,6 +30,8 @@ class GPTConfig:
     dropout: float = 0.0
     layernorm_epsilon: float = 1e-5
     make_vocab_size_divisible_by: int = 128
+    recompute_granularity: str | None = None  # "full": whole layers; "selective": the attention core
+    recompute_num_layers: int | None = None  # with "full": only the first N layers (default: all)
 
     def __post_init__(self):
         if self.hidden_size % self.num_attention_heads:
@@ -35,6 +39,8 @@ class GPTConfig:
                              f"{self.num_attention_heads}")
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
+        if self.recompute_granularity not in (None, "full", "selective"):
+            raise ValueError(f"recompute_granularity must be 'full' or 'selective', got {self.recompute_granularity!r}")
 
     @property
     def padded_vocab_size(self) -> int:
@@ -79,13 +85,19 @@ class CausalSelfAttention(nn.Module):
         self.qkv = gpt2_linear(config.hidden_size, 3 * config.hidden_size, config)
         self.proj = gpt2_linear(config.hidden_size, config.hidden_size, config, residual=True)
         self.dropout = config.dropout
+        self.recompute_core = config.recompute_granularity == "selective"
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, hidden = x.shape
         q, k, v = self.qkv(x).split(hidden, dim=2)
         q, k, v = (t.view(batch, seq, self.num_heads, hidden // self.num_heads).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        if self.recompute_core and torch.is_grad_enabled():  # selective recompute: only the attention core
+            y = checkpoint(self._core, q, k, v)
+        else:
+            y = self._core(q, k, v)
         y = y.transpose(1, 2).contiguous().view(batch, seq, hidden)
         return F.dropout(self.proj(y), self.dropout, self.training)
 
@@ -142,8 +154,11 @@ class GPT(nn.Module):
             raise ValueError(f"sequence of {seq} tokens is longer than seq_length {self.config.seq_length}")
         positions = torch.arange(seq, device=input_ids.device)
         x = self.drop(self.wte(input_ids) + self.wpe(positions))
-        for block in self.blocks:
-            x = block(x)
+        full = self.config.recompute_granularity == "full" and torch.is_grad_enabled()
+        layers = self.config.recompute_num_layers
+        recompute = layers if layers is not None else len(self.blocks)
+        for i, block in enumerate(self.blocks):
+            x = checkpoint(block, x) if full and i < recompute else block(x)
         logits = F.linear(self.ln_f(x), self.wte.weight)  # tied output embedding
         if labels is None:
             return logits

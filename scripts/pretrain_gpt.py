@@ -36,6 +36,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-attention-heads", type=int)
     p.add_argument("--seq-length", type=int)
     p.add_argument("--dropout", type=float)
+    p.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
+                   help="activation checkpointing: whole layers, or only the attention core")
+    p.add_argument("--recompute-num-layers", type=int, default=None, help="with full: the first N layers")
     p.add_argument("--micro-batch-size", type=int, help="overrides train_micro_batch_size_per_gpu")
     p.add_argument("--global-batch-size", type=int, help="overrides train_batch_size")
     p.add_argument("--train-iters", type=int, default=500)
@@ -101,7 +104,9 @@ def build_model(args: argparse.Namespace, vocab_size: int) -> GPT:
     """GPT from --model-config with the size flags applied."""
     config = GPTConfig.from_json(args.model_config, vocab_size=vocab_size, num_layers=args.num_layers,
                                  hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-                                 seq_length=args.seq_length, dropout=args.dropout)
+                                 seq_length=args.seq_length, dropout=args.dropout,
+                                 recompute_granularity=args.recompute_granularity,
+                                 recompute_num_layers=args.recompute_num_layers)
     return GPT(config)
 
 

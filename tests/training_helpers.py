@@ -42,10 +42,10 @@ def global_mean(value: float, engine) -> float:
 
 
 def train(config: dict, prefix: str, steps: int, seed: int = 0, save_dir: str | None = None,
-          save_at: int | None = None, load_dir: str | None = None) -> dict:
+          save_at: int | None = None, load_dir: str | None = None, model_overrides: dict | None = None) -> dict:
     """Train `steps` optimizer steps (after loading from load_dir, if given); returns per-step global
     losses and the final parameters. Saves at step `save_at` when save_dir is given."""
-    engine, loader = build_engine(config, prefix, seed)
+    engine, loader = build_engine(config, prefix, seed, model_overrides)
     if load_dir is not None:
         path, client = engine.load_checkpoint(load_dir)
         assert path is not None and client["step"] == engine.global_steps

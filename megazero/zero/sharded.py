@@ -208,6 +208,8 @@ class ShardedState(MasterPartitions):
         self._prefetch(self._neighbour(unit, -1))  # backward runs the layers in reverse
 
     def _after_forward(self, unit: _Unit, output) -> None:
+        if torch._C._current_autograd_node() is not None:
+            return  # activation checkpointing recomputes inside backward: the unit must stay gathered
         if not torch.is_grad_enabled():
             if not unit.is_root:
                 unit.release()

@@ -102,3 +102,13 @@ def test_buckets_reduce_during_backward_only_on_boundary(pools, token_dataset_pr
         assert result["buckets"] > 2
         assert result["off"] == 0, "no communication before the accumulation boundary"
         assert result["on"] == result["buckets"], "every bucket started during backward"
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("granularity", ["full", "selective"])
+def test_activation_recompute_matches(pools, reference, token_dataset_prefix_module, stage, granularity):
+    """Recomputation (inside backward, with ZeRO-3 re-gathering around it) changes nothing."""
+    results = pools(2).run(train, base_config(zero_optimization=_zero(stage)), token_dataset_prefix_module, STEPS,
+                           0, None, None, None, {"recompute_granularity": granularity})
+    for rank_result in results:
+        _assert_same_run(reference, rank_result)
