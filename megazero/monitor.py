@@ -10,8 +10,7 @@ from megazero.config import TensorBoardConfig, WandbConfig
 class Monitor:
     """`write(step, {name: value})` to every enabled backend; `close()` flushes them."""
 
-    def __init__(self, tensorboard: TensorBoardConfig, wandb: WandbConfig, rank: int = 0,
-                 run_config: dict | None = None):
+    def __init__(self, tensorboard: TensorBoardConfig, wandb: WandbConfig, rank: int = 0):
         self.rank = rank
         self._tb = None
         self._wandb = None
@@ -29,8 +28,7 @@ class Monitor:
             # offline unless the user gave a key or chose a mode: no network calls by surprise
             if "WANDB_MODE" not in os.environ and not os.environ.get("WANDB_API_KEY"):
                 os.environ["WANDB_MODE"] = "offline"
-            self._wandb = wandb_lib.init(project=wandb.project, entity=wandb.team, group=wandb.group,
-                                         config=run_config or {})
+            self._wandb = wandb_lib.init(project=wandb.project, entity=wandb.team, group=wandb.group)
 
     @property
     def enabled(self) -> bool:

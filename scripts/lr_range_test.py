@@ -24,7 +24,6 @@ import pretrain_gpt  # noqa: E402  (the recipe's builders: model, data, engine c
 
 import megazero  # noqa: E402
 from megazero.data import GPTDataset, IndexedDataset, SentencePieceTokenizer  # noqa: E402
-from megazero.distributed import all_reduce_values  # noqa: E402
 
 
 def smooth(losses: list[float], beta: float = 0.9) -> np.ndarray:
@@ -97,7 +96,7 @@ def main(argv=None) -> dict:
     lrs, losses = [], []
     for _ in range(own.steps):
         lr = engine.get_lr()[0]
-        loss = all_reduce_values([engine.train_batch(data).item()], group=engine.dp_group)[0] / engine.dp_world_size
+        loss = pretrain_gpt.average_across_ranks(engine.train_batch(data).item(), engine.dp_group)
         lrs.append(lr)
         losses.append(loss)
         if not math.isfinite(loss) or smooth(losses)[-1] > 4 * min(smooth(losses)):
