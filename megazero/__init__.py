@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import argparse
 import random
+import warnings
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from megazero import zero  # noqa: E402  megazero.zero.Init / GatheredParameters, as in DeepSpeed
+from megazero import parallel_state, tensor_parallel, zero  # noqa: F401  (as in DeepSpeed / Megatron)
 from megazero.config import ConfigError, EngineConfig, parse_config
 from megazero.distributed import init_distributed
 from megazero.engine import Engine
+from megazero.parallel_state import grid_from_mpu
+from megazero.tensor_parallel.random import model_parallel_seed
 
 __version__ = "0.1.0"
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "Engine", "EngineConfig", "ConfigError",
@@ -36,12 +39,6 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _data_parallel_group(mpu):
-    if mpu is None:
-        return None
-    return mpu.get_data_parallel_group()
-
-
 def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, model_parameters=None,
                training_data=None, lr_scheduler=None, mpu=None, config=None):
     """Build the engine: returns (engine, optimizer, training_dataloader, lr_scheduler).
@@ -52,7 +49,9 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     all model parameters). The optimizer ends up over fp32 master weights (partitioned under ZeRO).
     `lr_scheduler` may be a scheduler or a callable taking the optimizer; otherwise the config's
     `scheduler` block builds one. `mpu` supplies get_data_parallel_group() when model parallelism
-    is in use; otherwise the whole world is the data-parallel group.
+    is in use (pass `megazero.parallel_state` after initialize_model_parallel()); ZeRO then
+    partitions over the data-parallel group only, and with pipeline stages train_batch() runs the
+    1F1B schedule. Otherwise the whole world is the data-parallel group.
     """
     from megazero.data.loader import DistributedBatchLoader
     from megazero.optim import build_optimizer, build_scheduler
@@ -63,15 +62,20 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     config = _config_source(args, config)
     if not dist.is_initialized():
         init_distributed()
-    dp_group = _data_parallel_group(mpu)
+    grid = grid_from_mpu(mpu)
+    dp_group = grid.dp_group if grid is not None else None
     engine_config = parse_config(config, dist.get_world_size(dp_group))
+    _check_model_parallel(grid, engine_config)
     if engine_config.seed is not None:
         set_seed(engine_config.seed)
+    if grid is not None and grid.tensor_model_parallel_size > 1:
+        model_parallel_seed(engine_config.seed if engine_config.seed is not None else 1234, grid.tp_rank)
     if engine_config.compute_dtype != torch.float32:
         model = model.to(engine_config.compute_dtype)
     groups = _param_groups(optimizer, model_parameters, model, engine_config)
+    tied = [p for p in model.parameters() if getattr(p, "shared_embedding", False)]
     dp_state = build_data_parallel_state(engine_config.zero_optimization, model, [g["params"] for g in groups],
-                                         dp_group)
+                                         dp_group, isolate=tied)
     optimizer_groups = dp_state.optimizer_groups(groups)
     if optimizer is None:
         optimizer = build_optimizer(engine_config.optimizer, optimizer_groups)
@@ -88,8 +92,21 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     if training_data is not None:
         loader = DistributedBatchLoader(training_data, engine_config.train_micro_batch_size_per_gpu,
                                         dist.get_rank(dp_group), dist.get_world_size(dp_group))
-    engine = Engine(model, engine_config, optimizer, dp_state, lr_scheduler, dp_group, loader)
+    engine = Engine(model, engine_config, optimizer, dp_state, lr_scheduler, dp_group, loader, grid)
     return engine, optimizer, loader, lr_scheduler
+
+
+def _check_model_parallel(grid, config: EngineConfig) -> None:
+    if grid is None or grid.pipeline_model_parallel_size == 1:
+        return
+    if config.zero_optimization.stage == 3:
+        raise ConfigError(f"zero_optimization.stage 3 with pipeline_model_parallel_size "
+                          f"{grid.pipeline_model_parallel_size}: ZeRO-3 is not supported with pipeline "
+                          f"parallelism; use stage 1 or 2")
+    if config.gradient_accumulation_steps < grid.pipeline_model_parallel_size:
+        warnings.warn(f"gradient_accumulation_steps {config.gradient_accumulation_steps} (the pipeline's "
+                      f"micro-batches) < {grid.pipeline_model_parallel_size} stages: most of each step is "
+                      f"pipeline bubble", stacklevel=3)
 
 
 def _config_source(args, config):

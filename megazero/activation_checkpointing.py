@@ -15,6 +15,8 @@ import contextlib
 import torch
 import torch.utils.checkpoint
 
+from megazero.tensor_parallel.random import get_rng_tracker
+
 _settings = {"cpu_checkpointing": False}
 
 
@@ -37,4 +39,23 @@ def checkpoint(function, *args):
     if _settings.get("synchronize") and torch.cuda.is_available():
         torch.cuda.synchronize()
     with offload:
-        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True)
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True,
+                                                 context_fn=_tracker_contexts)
+
+
+def _tracker_contexts():
+    """Forward: nothing. Recompute: the tensor-parallel RNG tracker's states as they were in the
+    forward (torch restores the default generators; the tracker's own states are ours to restore)."""
+    tracker = get_rng_tracker()
+    saved = tracker.get_states()
+
+    @contextlib.contextmanager
+    def recompute():
+        current = tracker.get_states()
+        tracker.set_states(saved)
+        try:
+            yield
+        finally:
+            tracker.set_states(current)
+
+    return contextlib.nullcontext(), recompute()

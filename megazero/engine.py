@@ -20,17 +20,29 @@ import torch.distributed as dist
 
 from megazero.config import EngineConfig
 from megazero.monitor import Monitor
+from megazero.parallel_state import ParallelGrid
 from megazero.precision import LossScaler
 from megazero.profiling.timers import Timers
+from megazero.tensor_parallel.utils import is_tensor_parallel
 
 
 class Engine(torch.nn.Module):
-    """Wraps a model for data-parallel, mixed-precision training with gradient accumulation."""
+    """Wraps a model for data-parallel, mixed-precision training with gradient accumulation.
+
+    With a model-parallel `grid`, the module is this rank's tensor-parallel shard of one pipeline
+    stage; ZeRO partitions over the grid's data-parallel group, gradient norms cover the whole
+    model (shards summed, replicated parameters counted once), and train_batch() runs the 1F1B
+    pipeline schedule over gradient_accumulation_steps micro-batches.
+    """
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig, optimizer: torch.optim.Optimizer,
-                 dp_state, lr_scheduler, dp_group: dist.ProcessGroup | None, training_dataloader=None):
+                 dp_state, lr_scheduler, dp_group: dist.ProcessGroup | None, training_dataloader=None,
+                 grid: ParallelGrid | None = None):
         super().__init__()
         self.module = model
+        self.grid = grid
+        # the last stage's copy of the tied word embedding: its gradient is summed with the first stage's
+        self.tied_params = [p for p in model.parameters() if getattr(p, "shared_embedding", False)]
         self.config = config
         self.optimizer = optimizer
         self.dp = dp_state
@@ -103,14 +115,17 @@ class Engine(torch.nn.Module):
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Backward of loss * loss_scale / accumulation_steps; reduces gradients on the boundary."""
+        scaled = loss.float() * (self.loss_scaler.scale / self.gradient_accumulation_steps())
+        self._backward(scaled)
+        return loss
+
+    def _backward(self, output: torch.Tensor, output_grad: torch.Tensor | None = None) -> None:
         boundary = self.is_gradient_accumulation_boundary()
         self.dp.begin_micro_step(boundary)
         self.timers("backward").start()
-        scaled = loss.float() * (self.loss_scaler.scale / self.gradient_accumulation_steps())
-        scaled.backward()
+        torch.autograd.backward(output, output_grad)
         self.dp.after_backward(boundary)
         self.timers("backward").stop()
-        return loss
 
     def step(self) -> None:
         """End a micro-step; on the accumulation boundary, update the weights."""
@@ -127,9 +142,11 @@ class Engine(torch.nn.Module):
     def _optimizer_step(self) -> None:
         self.timers("backward_reduce").start()
         self.dp.reduce_gradients()
+        if self.tied_params:
+            self.dp.sync_grads(self.tied_params, self.grid.embedding_group)
         self.timers("backward_reduce").stop()
         scale = self.loss_scaler.scale
-        grad_norm = self.dp.grad_norm() / scale
+        grad_norm = self.dp.grad_norm(*self._norm_scope()) / scale
         overflow = not math.isfinite(grad_norm)
         self.last_step_overflowed = overflow
         self.last_grad_norm = grad_norm
@@ -159,12 +176,35 @@ class Engine(torch.nn.Module):
             self.lr_scheduler.step()
         self.loss_scaler.update(False)
 
+    def _norm_scope(self):
+        """(counted, group) for the gradient norm: which parameters count on this rank (replicated
+        ones on TP rank 0 only, the tied embedding on the first stage only) and the model-parallel
+        group over which the partial sums are added (None without model parallelism)."""
+        grid = self.grid
+        if grid is None or grid.tensor_model_parallel_size * grid.pipeline_model_parallel_size == 1:
+            return None, None
+
+        def counted(p: torch.nn.Parameter) -> bool:
+            if getattr(p, "shared_embedding", False) and not grid.is_first_stage:
+                return False
+            return grid.tp_rank == 0 or is_tensor_parallel(p)
+
+        return counted, grid.model_parallel_group
+
+    @property
+    def is_pipelined(self) -> bool:
+        """True when the model is split into pipeline stages."""
+        return self.grid is not None and self.grid.pipeline_model_parallel_size > 1
+
     def train_batch(self, data_iter) -> torch.Tensor:
         """One optimizer step: gradient_accumulation_steps micro-batches from `data_iter`.
 
         Each batch is a mapping passed as keyword arguments to the model, which returns the loss.
-        Returns the mean loss over the micro-batches (this rank).
+        Returns the mean loss over the micro-batches (this data-parallel rank; with pipelining the
+        last stage's, on every stage).
         """
+        if self.is_pipelined:
+            return self._train_batch_pipelined(data_iter)
         total = 0.0
         for _ in range(self.gradient_accumulation_steps()):
             batch = self.to_device(next(data_iter))
@@ -173,6 +213,36 @@ class Engine(torch.nn.Module):
             self.step()
             total += loss.detach().float().item()
         return torch.tensor(total / self.gradient_accumulation_steps())
+
+    def _train_batch_pipelined(self, data_iter) -> torch.Tensor:
+        """train_batch() through the 1F1B schedule: every stage reads the same micro-batches; the
+        first stage feeds the inputs, later stages take hidden_states from their predecessor."""
+        from megazero.pipeline import StageLinks, one_f_one_b
+
+        grid, micro = self.grid, self.gradient_accumulation_steps()
+        batches = [self.to_device(next(data_iter)) for _ in range(micro)]
+        links = StageLinks(grid.pp_ranks, grid.pp_rank, grid.pp_group, self.config.compute_dtype, self.device)
+        losses = []
+
+        def forward_step(m: int, received: torch.Tensor | None) -> torch.Tensor:
+            kwargs = dict(batches[m]) if received is None else {**batches[m], "hidden_states": received}
+            output = self(**kwargs)
+            if grid.is_last_stage:
+                losses.append(output.detach().float())
+            return output
+
+        def backward_step(m: int, output: torch.Tensor, output_grad: torch.Tensor | None) -> None:
+            if output_grad is None:  # the last stage's output is the loss
+                output = output.float() * (self.loss_scaler.scale / micro)
+            self._backward(output, output_grad)
+            if m < micro - 1:
+                self.step()
+
+        one_f_one_b(micro, grid.pp_rank, grid.pipeline_model_parallel_size, links, forward_step, backward_step)
+        self.step()  # the optimizer step, once this stage has sent its last input gradient
+        mean = torch.stack(losses).mean() if losses else torch.zeros((), dtype=torch.float32, device=self.device)
+        dist.broadcast(mean, src=grid.pp_ranks[-1], group=grid.pp_group)
+        return mean.cpu()
 
     @property
     def device(self) -> torch.device:

@@ -2,10 +2,19 @@
 
 Plain and meant to be forked. Sizes come from GPTConfig; configs/ holds the CPU-sized default and
 GPT-2 124M / 350M / 774M / 1.5B.
+
+Model parallelism is in the layers, not in this file's logic: the linear layers are Megatron's
+column/row-parallel ones and the embedding is vocab-parallel, which are plain Linear/Embedding
+layers when `tp_group` is None (or has one rank). A pipeline stage is the same class built with
+`layers=range(first, last)` and without the embeddings (`pre_process=False`) or the head
+(`post_process=False`). Each layer is initialised from its own seed (drawn once from the default
+generator), so any stage, or any tensor-parallel shard, starts exactly as the slice of the
+single-process model built from the same seed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import asdict, dataclass
@@ -14,7 +23,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from megazero import tensor_parallel as tp
 from megazero.activation_checkpointing import checkpoint
+from megazero.pipeline.partition import balanced_stage_layers
+from megazero.tensor_parallel.random import get_rng_tracker
 
 
 @dataclass
@@ -31,7 +43,9 @@ class GPTConfig:
     layernorm_epsilon: float = 1e-5
     make_vocab_size_divisible_by: int = 128
     recompute_granularity: str | None = None  # "full": whole layers; "selective": the attention core
-    recompute_num_layers: int | None = None  # with "full": only the first N layers (default: all)
+    recompute_num_layers: int | None = None  # with "full": the first N layers of each stage (default: all)
+    tensor_model_parallel_size: int = 1  # must equal the size of the tp_group the model is built with
+    sequence_parallel: bool = False  # split LayerNorm/dropout activations along the sequence across TP ranks
 
     def __post_init__(self):
         if self.hidden_size % self.num_attention_heads:
@@ -41,11 +55,19 @@ class GPTConfig:
             self.ffn_hidden_size = 4 * self.hidden_size
         if self.recompute_granularity not in (None, "full", "selective"):
             raise ValueError(f"recompute_granularity must be 'full' or 'selective', got {self.recompute_granularity!r}")
+        tp_size = self.tensor_model_parallel_size
+        for name in ("num_attention_heads", "ffn_hidden_size"):
+            if getattr(self, name) % tp_size:
+                raise ValueError(f"{name} {getattr(self, name)} is not divisible by tensor_model_parallel_size "
+                                 f"{tp_size}")
+        if self.sequence_parallel and self.seq_length % tp_size:
+            raise ValueError(f"sequence_parallel: seq_length {self.seq_length} is not divisible by "
+                             f"tensor_model_parallel_size {tp_size}")
 
     @property
     def padded_vocab_size(self) -> int:
-        """vocab_size rounded up so the embedding splits evenly (Megatron's padding)."""
-        m = self.make_vocab_size_divisible_by
+        """vocab_size rounded up to a multiple of make_vocab_size_divisible_by x TP (Megatron's padding)."""
+        m = self.make_vocab_size_divisible_by * self.tensor_model_parallel_size
         return ((self.vocab_size + m - 1) // m) * m
 
     @classmethod
@@ -64,105 +86,171 @@ class GPTConfig:
         return asdict(self)
 
 
-def gpt2_linear(in_features: int, out_features: int, config: GPTConfig, residual: bool = False) -> nn.Linear:
-    """A Linear with GPT-2's init: N(0, 0.02), residual projections scaled by 1/sqrt(2 * layers), zero bias.
+def normal_init(std: float):
+    """Initialiser drawing N(0, std) (GPT-2 uses 0.02; residual projections 0.02 / sqrt(2 * layers))."""
+    return lambda tensor: nn.init.normal_(tensor, mean=0.0, std=std)
 
-    Initialised where it is created: under zero.Init a layer is partitioned as soon as its parent is built.
-    """
-    linear = nn.Linear(in_features, out_features)
-    std = 0.02 / math.sqrt(2 * config.num_layers) if residual else 0.02
-    nn.init.normal_(linear.weight, mean=0.0, std=std)
-    nn.init.zeros_(linear.bias)
-    return linear
+
+def _check_tp(config: GPTConfig, tp_group) -> None:
+    size = tp_group.size() if tp_group is not None else 1
+    if size != config.tensor_model_parallel_size:
+        raise ValueError(f"GPTConfig.tensor_model_parallel_size is {config.tensor_model_parallel_size} but the "
+                         f"tp_group has {size} ranks")
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head self-attention with a causal mask."""
+    """Multi-head self-attention with a causal mask; this TP rank computes its share of the heads."""
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, tp_group=None):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.qkv = gpt2_linear(config.hidden_size, 3 * config.hidden_size, config)
-        self.proj = gpt2_linear(config.hidden_size, config.hidden_size, config, residual=True)
+        self.num_heads = config.num_attention_heads // config.tensor_model_parallel_size  # local heads
+        self.head_dim = config.hidden_size // config.num_attention_heads
+        sp = config.sequence_parallel
+        residual_std = 0.02 / math.sqrt(2 * config.num_layers)
+        # fused [Q; K; V] rows, stride 3: each TP rank holds the Q, K and V rows of its heads
+        self.qkv = tp.ColumnParallelLinear(config.hidden_size, 3 * config.hidden_size, tp_group,
+                                           init_method=normal_init(0.02), stride=3, sequence_parallel=sp)
+        self.proj = tp.RowParallelLinear(config.hidden_size, config.hidden_size, tp_group,
+                                         init_method=normal_init(residual_std), sequence_parallel=sp)
         self.dropout = config.dropout
         self.recompute_core = config.recompute_granularity == "selective"
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        with get_rng_tracker().fork():  # attention dropout differs between the TP ranks' heads
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                  dropout_p=self.dropout if self.training else 0.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, hidden = x.shape
-        q, k, v = self.qkv(x).split(hidden, dim=2)
-        q, k, v = (t.view(batch, seq, self.num_heads, hidden // self.num_heads).transpose(1, 2) for t in (q, k, v))
+        qkv = self.qkv(x)  # [batch, seq, 3 * local heads * head_dim] (the full sequence under SP)
+        batch, seq, _ = qkv.shape
+        q, k, v = (t.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2) for t in qkv.chunk(3, dim=2))
         if self.recompute_core and torch.is_grad_enabled():  # selective recompute: only the attention core
             y = checkpoint(self._core, q, k, v)
         else:
             y = self._core(q, k, v)
-        y = y.transpose(1, 2).contiguous().view(batch, seq, hidden)
-        return F.dropout(self.proj(y), self.dropout, self.training)
+        y = y.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim)
+        return self.proj(y)
 
 
 class MLP(nn.Module):
-    """hidden -> ffn -> GELU -> hidden."""
+    """hidden -> ffn (column-parallel) -> GELU -> hidden (row-parallel)."""
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, tp_group=None):
         super().__init__()
-        self.fc = gpt2_linear(config.hidden_size, config.ffn_hidden_size, config)
-        self.proj = gpt2_linear(config.ffn_hidden_size, config.hidden_size, config, residual=True)
-        self.dropout = config.dropout
+        sp = config.sequence_parallel
+        residual_std = 0.02 / math.sqrt(2 * config.num_layers)
+        self.fc = tp.ColumnParallelLinear(config.hidden_size, config.ffn_hidden_size, tp_group,
+                                          init_method=normal_init(0.02), sequence_parallel=sp)
+        self.proj = tp.RowParallelLinear(config.ffn_hidden_size, config.hidden_size, tp_group,
+                                         init_method=normal_init(residual_std), sequence_parallel=sp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.dropout(self.proj(F.gelu(self.fc(x), approximate="tanh")), self.dropout, self.training)
+        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer layer: x + attn(ln(x)), then x + mlp(ln(x))."""
+    """Pre-LayerNorm transformer layer: x + drop(attn(ln(x))), then x + drop(mlp(ln(x)))."""
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, tp_group=None):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
-        self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
-        self.mlp = MLP(config)
+        sp = config.sequence_parallel
+        self.ln_1 = tp.LayerNorm(config.hidden_size, config.layernorm_epsilon, tp_group, sp)
+        self.attn = CausalSelfAttention(config, tp_group)
+        self.ln_2 = tp.LayerNorm(config.hidden_size, config.layernorm_epsilon, tp_group, sp)
+        self.mlp = MLP(config, tp_group)
+        self.dropout = config.dropout
+        self.sequence_parallel = sp
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        if not (self.training and self.dropout):
+            return x
+        # sequence-parallel activations are different tokens on each TP rank: draw per-rank masks
+        with get_rng_tracker().fork() if self.sequence_parallel else contextlib.nullcontext():
+            return F.dropout(x, self.dropout, True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+        x = x + self._dropout(self.attn(self.ln_1(x)))
+        return x + self._dropout(self.mlp(self.ln_2(x)))
 
 
 class GPT(nn.Module):
-    """GPT-2 language model. forward(input_ids, labels=None) -> mean cross-entropy loss or logits."""
+    """GPT-2 language model. forward(input_ids, labels=None) -> mean cross-entropy loss or logits.
 
-    def __init__(self, config: GPTConfig):
+    tp_group: tensor-parallel process group (None: one rank). layers / pre_process / post_process:
+    build one pipeline stage (which of the config's layers; with the embeddings; with the final
+    LayerNorm, head and loss). A stage without pre_process takes `hidden_states` instead of ids;
+    one without post_process returns its hidden states.
+    """
+
+    def __init__(self, config: GPTConfig, tp_group=None, layers: range | None = None, pre_process: bool = True,
+                 post_process: bool = True):
         super().__init__()
+        _check_tp(config, tp_group)
         self.config = config
-        self.wte = nn.Embedding(config.padded_vocab_size, config.hidden_size)
-        self.wpe = nn.Embedding(config.seq_length, config.hidden_size)
-        self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
-        self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
-        nn.init.normal_(self.wte.weight, mean=0.0, std=0.02)
-        nn.init.normal_(self.wpe.weight, mean=0.0, std=0.02)
+        self.tp_group = tp_group
+        self.layers = layers if layers is not None else range(config.num_layers)
+        self.pre_process, self.post_process = pre_process, post_process
+        # one seed per layer, drawn once: every stage and shard consumes the default generator alike
+        base_seed = int(torch.randint(0, 2**31 - 1, (1,), device="cpu"))
+        with _seeded(base_seed):
+            # the output layer is tied to the word embedding: the last stage holds a copy (kept equal
+            # by summing both copies' gradients) built from the same seed as the first stage's
+            if pre_process or post_process:
+                self.wte = tp.VocabParallelEmbedding(config.padded_vocab_size, config.hidden_size, tp_group,
+                                                     init_method=normal_init(0.02))
+                if pre_process != post_process:  # pipelined: the two copies' gradients are summed
+                    self.wte.weight.shared_embedding = True
+            if pre_process:
+                self.wpe = nn.Embedding(config.seq_length, config.hidden_size)
+                nn.init.normal_(self.wpe.weight, mean=0.0, std=0.02)
+        blocks = []
+        for i in self.layers:
+            with _seeded(base_seed + 1 + i):
+                blocks.append(Block(config, tp_group))
+        self.blocks = nn.ModuleList(blocks)
+        if post_process:
+            self.ln_f = tp.LayerNorm(config.hidden_size, config.layernorm_epsilon, tp_group, config.sequence_parallel)
 
     def num_parameters(self) -> int:
-        """Trainable parameters (the tied embedding counted once)."""
+        """Trainable parameters on this rank (the tied embedding counted once)."""
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token + position embeddings, with dropout (split along the sequence under SP)."""
         seq = input_ids.shape[1]
         if seq > self.config.seq_length:
             raise ValueError(f"sequence of {seq} tokens is longer than seq_length {self.config.seq_length}")
-        positions = torch.arange(seq, device=input_ids.device)
-        x = self.drop(self.wte(input_ids) + self.wpe(positions))
+        x = self.wte(input_ids) + self.wpe(torch.arange(seq, device=input_ids.device))
+        if self.config.sequence_parallel:
+            x = tp.scatter_to_sequence_parallel_region(x, self.tp_group)
+        if not (self.training and self.config.dropout):
+            return x
+        with get_rng_tracker().fork() if self.config.sequence_parallel else contextlib.nullcontext():
+            return F.dropout(x, self.config.dropout, True)
+
+    def head(self, x: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        """Final LayerNorm and tied output layer: mean loss given labels, else full-vocabulary logits."""
+        x = self.ln_f(x)
+        if self.config.sequence_parallel:
+            x = tp.gather_from_sequence_parallel_region(x, self.tp_group)
+        else:
+            x = tp.copy_to_tensor_parallel_region(x, self.tp_group)
+        logits = F.linear(x, self.wte.weight)  # this TP rank's slice of the vocabulary
+        if labels is None:
+            return tp.gather_from_tensor_parallel_region(logits, self.tp_group)
+        if self.config.tensor_model_parallel_size == 1:
+            return F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.reshape(-1))
+        return tp.vocab_parallel_cross_entropy(logits, labels, self.tp_group).mean()
+
+    def forward(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed(input_ids) if self.pre_process else hidden_states
         full = self.config.recompute_granularity == "full" and torch.is_grad_enabled()
-        layers = self.config.recompute_num_layers
+        layers = self.config.recompute_num_layers  # per pipeline stage, as in Megatron
         recompute = layers if layers is not None else len(self.blocks)
         for i, block in enumerate(self.blocks):
             x = checkpoint(block, x) if full and i < recompute else block(x)
-        logits = F.linear(self.ln_f(x), self.wte.weight)  # tied output embedding
-        if labels is None:
-            return logits
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.reshape(-1))
+        return self.head(x, labels) if self.post_process else x
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
@@ -182,3 +270,30 @@ class GPT(nn.Module):
                 next_id = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
             input_ids = torch.cat([input_ids, next_id], dim=1)
         return input_ids
+
+
+def stage_layers(config: GPTConfig, num_stages: int) -> list[range]:
+    """Each pipeline stage's layers, balanced by parameter count (embeddings count on the first
+    stage, the final LayerNorm and the tied output layer's copy on the last)."""
+    h, ffn = config.hidden_size, config.ffn_hidden_size
+    block = 4 * h * h + 4 * h + 2 * h * ffn + ffn + h + 4 * h  # attention, MLP, two LayerNorms
+    embedding = config.padded_vocab_size * h
+    return balanced_stage_layers([block] * config.num_layers, num_stages, embedding + config.seq_length * h,
+                                 embedding + 2 * h)
+
+
+def build_model(config: GPTConfig, grid=None) -> GPT:
+    """This rank's part of the model: its tensor-parallel shard of its pipeline stage (the whole
+    model without a grid). The one place where the parallel layout shapes the model."""
+    if grid is None:
+        return GPT(config)
+    layers = stage_layers(config, grid.pipeline_model_parallel_size)[grid.pp_rank]
+    return GPT(config, grid.tp_group, layers, pre_process=grid.is_first_stage, post_process=grid.is_last_stage)
+
+
+@contextlib.contextmanager
+def _seeded(seed: int):
+    """Run the block with the default CPU generator seeded to `seed`, restoring it afterwards."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield

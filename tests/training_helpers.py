@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
+
 import megazero
+from megazero import parallel_state
 from megazero.data import GPTDataset, IndexedDataset
 from megazero.distributed import all_reduce_values
+from megazero.tensor_parallel import merge_shards
 from megazero.zero import GatheredParameters
-from models.gpt import GPT, GPTConfig
+from models.gpt import GPTConfig, build_model
 
 TINY = dict(vocab_size=256, seq_length=32, num_layers=2, hidden_size=64, num_attention_heads=4,
             make_vocab_size_divisible_by=64)
@@ -27,13 +32,50 @@ def base_config(**overrides) -> dict:
     return config
 
 
-def build_engine(config: dict, prefix: str, seed: int = 0, model_overrides: dict | None = None):
-    """Seeded tiny GPT + engine over the indexed dataset at `prefix`."""
+def build_engine(config: dict, prefix: str, seed: int = 0, model_overrides: dict | None = None,
+                 layout: tuple[int, int] | None = None):
+    """Seeded tiny GPT + engine over the indexed dataset at `prefix`; layout = (TP, PP) builds the
+    model-parallel grid first (DP is what remains of the world)."""
     megazero.set_seed(seed)
-    model = GPT(GPTConfig(**{**TINY, **(model_overrides or {})}))
+    overrides = dict(model_overrides or {})
+    grid = None
+    if layout is not None:
+        grid = parallel_state.initialize_model_parallel(*layout)
+        overrides["tensor_model_parallel_size"] = layout[0]
+    model = build_model(GPTConfig(**{**TINY, **overrides}), grid)
     dataset = GPTDataset(IndexedDataset(prefix), TINY["seq_length"], seed=seed)
-    engine, _, loader, _ = megazero.initialize(model=model, training_data=dataset, config=config)
+    engine, _, loader, _ = megazero.initialize(model=model, training_data=dataset, config=config,
+                                               mpu=parallel_state if grid is not None else None)
     return engine, loader
+
+
+def full_parameters(engine) -> dict[str, torch.Tensor]:
+    """The whole model's parameters (TP shards merged, pipeline stages joined, global layer names)."""
+    with GatheredParameters(list(engine.module.parameters())):  # whole again under ZeRO-3
+        params = {name: p.detach().float().clone() for name, p in engine.module.named_parameters()}
+        meta = {name: (getattr(p, "partition_dim", None), getattr(p, "partition_stride", 1))
+                for name, p in engine.module.named_parameters()}
+    grid = engine.grid
+    if grid is None:
+        return params
+    if grid.tensor_model_parallel_size > 1:
+        for name, (dim, stride) in meta.items():
+            if dim is not None:
+                shards = [torch.empty_like(params[name]) for _ in range(grid.tensor_model_parallel_size)]
+                dist.all_gather(shards, params[name], group=grid.tp_group)
+                params[name] = merge_shards(shards, dim, stride)
+    offset = engine.module.layers.start
+    renamed = {}
+    for name, value in params.items():
+        if name.startswith("blocks."):
+            index, rest = name[len("blocks."):].split(".", 1)
+            name = f"blocks.{int(index) + offset}.{rest}"
+        renamed[name] = value
+    if grid.pipeline_model_parallel_size > 1:
+        stages = [None] * grid.pipeline_model_parallel_size
+        dist.all_gather_object(stages, renamed, group=grid.pp_group)
+        renamed = {k: v for stage in stages for k, v in stage.items()}
+    return renamed
 
 
 def global_mean(value: float, engine) -> float:
@@ -42,10 +84,11 @@ def global_mean(value: float, engine) -> float:
 
 
 def train(config: dict, prefix: str, steps: int, seed: int = 0, save_dir: str | None = None,
-          save_at: int | None = None, load_dir: str | None = None, model_overrides: dict | None = None) -> dict:
+          save_at: int | None = None, load_dir: str | None = None, model_overrides: dict | None = None,
+          layout: tuple[int, int] | None = None) -> dict:
     """Train `steps` optimizer steps (after loading from load_dir, if given); returns per-step global
     losses and the final parameters. Saves at step `save_at` when save_dir is given."""
-    engine, loader = build_engine(config, prefix, seed, model_overrides)
+    engine, loader = build_engine(config, prefix, seed, model_overrides, layout)
     if load_dir is not None:
         path, client = engine.load_checkpoint(load_dir)
         assert path is not None and client["step"] == engine.global_steps
@@ -56,7 +99,22 @@ def train(config: dict, prefix: str, steps: int, seed: int = 0, save_dir: str | 
         losses.append(global_mean(loss.item(), engine))
         if save_dir is not None and engine.global_steps == save_at:
             engine.save_checkpoint(save_dir, client_state={"step": engine.global_steps})
-    with GatheredParameters(list(engine.module.parameters())):  # whole again under ZeRO-3
-        params = {name: p.detach().float().clone() for name, p in engine.module.named_parameters()}
-    return {"losses": losses, "params": params, "skipped": engine.skipped_steps, "lr": engine.get_lr()[0],
-            "scale": engine.get_loss_scale()}
+    return {"losses": losses, "params": full_parameters(engine), "skipped": engine.skipped_steps,
+            "lr": engine.get_lr()[0], "scale": engine.get_loss_scale()}
+
+
+SGD_LR = 1000.0  # large, so (before - after) / lr recovers the gradient to ~1e-7 relative in fp32
+
+
+def first_step_gradients(prefix: str, layout: tuple[int, int] | None = None, model_overrides: dict | None = None,
+                         config_overrides: dict | None = None) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient of the first global batch (the whole model, gathered), read off
+    one plain SGD step: gradient = (before - after) / lr."""
+    config = base_config(optimizer={"type": "SGD", "params": {"lr": SGD_LR}}, gradient_clipping=0.0,
+                         **(config_overrides or {}))
+    config.pop("scheduler")
+    engine, loader = build_engine(config, prefix, 0, model_overrides, layout)
+    before = full_parameters(engine)
+    engine.train_batch(iter(loader))
+    after = full_parameters(engine)
+    return {name: (before[name] - after[name]) / SGD_LR for name in before}

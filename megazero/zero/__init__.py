@@ -12,14 +12,17 @@ from megazero.zero.sharded import ShardedState
 
 
 def build_data_parallel_state(config: ZeroConfig, model: torch.nn.Module, groups: list[list[torch.nn.Parameter]],
-                              dp_group):
-    """The state object for `config.stage` over the optimizer's param groups (model parameters)."""
+                              dp_group, isolate: list[torch.nn.Parameter] = ()):
+    """The state object for `config.stage` over the optimizer's param groups (model parameters).
+
+    `isolate`: parameters (tied weights) whose reduced gradients are later summed with another
+    stage's copy; stages 1-2 give each its own layout so the partitions line up."""
     if config.stage == 0:
         return ReplicatedState(groups, dp_group, config.reduce_bucket_size, config.overlap_comm)
     if config.stage == 3:
         return ShardedState(model, groups, dp_group, config.stage3_param_persistence_threshold,
                             config.stage3_prefetch_bucket_size)
-    return PartitionedState(groups, dp_group, config.reduce_bucket_size, config.overlap_comm, config.stage)
+    return PartitionedState(groups, dp_group, config.reduce_bucket_size, config.overlap_comm, config.stage, isolate)
 
 
 __all__ = ["build_data_parallel_state", "Init", "GatheredParameters", "ReplicatedState", "PartitionedState",

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import bisect
+
 import torch
+import torch.distributed as dist
 
 from megazero.distributed import all_reduce_values
 
@@ -15,10 +18,32 @@ class MasterPartitions:
     parts: list
     group: object
 
-    def grad_norm(self) -> float:
-        """Global L2 norm of the (loss-scaled) gradients, summed over every rank's partitions."""
-        local = sum(float(torch.sum(g.double() ** 2)) for part in self.parts for g in part.grad_views)
-        return all_reduce_values([local], group=self.group)[0] ** 0.5
+    def grad_norm(self, counted=None, model_parallel_group=None) -> float:
+        """Global L2 norm of the (loss-scaled) gradients, summed over every rank's partitions (and
+        over the model-parallel group, counting only parameters for which counted(p) is true)."""
+        local = 0.0
+        for part in self.parts:
+            if counted is None:
+                local += sum(squared_norm(g) for g in part.grad_views)
+            else:
+                for view, start, numel in counted_slices(part, counted):
+                    local += squared_norm(part.grad_views[view][start:start + numel])
+        total = all_reduce_values([local], group=self.group)
+        if model_parallel_group is not None:
+            total = all_reduce_values(total, group=model_parallel_group)
+        return total[0] ** 0.5
+
+    def sync_grads(self, params: list[torch.nn.Parameter], group) -> None:
+        """Sum the reduced gradients of `params` over `group` (tied weights on other pipeline stages).
+        Each must have been isolated in its own layout, so its partitions line up on every stage."""
+        wanted = {id(p) for p in params}
+        for part in self.parts:
+            if any(id(p) in wanted for p in part.layout.params):
+                if len(part.layout.params) != 1:
+                    raise RuntimeError("a tied parameter shares its ZeRO layout with others: build the state "
+                                       "with isolate=[tied parameters]")
+                for g in part.grad_views:
+                    dist.all_reduce(g, group=group)
 
     def scale_gradients(self, factor: float) -> None:
         """Multiply the gradient partitions by `factor` (for optimizers that cannot unscale)."""
@@ -59,3 +84,23 @@ def load_master_partition(part, flat: torch.Tensor) -> None:
     with torch.no_grad():
         for master, view in zip(part.masters, views):
             master.copy_(view.view_as(master))
+
+
+def counted_slices(part, counted) -> list[tuple[int, int, int]]:
+    """(grad view index, start, numel) of the pieces of `part`'s gradient partition that belong to
+    parameters with counted(p) true (computed once per part)."""
+    cached = getattr(part, "_counted_slices", None)
+    if cached is None:
+        offsets = [b.partition_offset for b in part.layout.buckets]
+        cached = []
+        for frag in part.layout.fragments(part.rank):
+            if counted(frag.param):
+                view = bisect.bisect_right(offsets, frag.partition_start) - 1
+                cached.append((view, frag.partition_start - offsets[view], frag.numel))
+        part._counted_slices = cached
+    return cached
+
+
+def squared_norm(t: torch.Tensor) -> float:
+    """Squared L2 norm (inf/nan propagate), without materialising a float64 copy."""
+    return float(torch.linalg.vector_norm(t)) ** 2

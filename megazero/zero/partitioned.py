@@ -88,15 +88,21 @@ class PartitionedState(MasterPartitions):
     """ZeRO stage 1 or 2 over the optimizer's param groups (same interface as ReplicatedState)."""
 
     def __init__(self, groups: list[list[torch.nn.Parameter]], group, bucket_numel: int, overlap: bool,
-                 stage: int):
+                 stage: int, isolate: list[torch.nn.Parameter] = ()):
         if stage not in (1, 2):
             raise ValueError(f"PartitionedState handles ZeRO stages 1 and 2, got {stage}")
         self.stage = stage
         self.group = group
         self.world_size = dist.get_world_size(group)
         inflight = InflightLimit()  # shared: bounds stage 2's staging buffers over all groups
-        self.parts = [_GroupPartition(g, gi, stage, group, bucket_numel, overlap, inflight)
-                      for gi, g in enumerate(groups) if g]
+        # each isolated parameter (a tied weight) gets a layout of its own: identical on every stage
+        alone = {id(p) for p in isolate}
+        plan = []
+        for gi, g in enumerate(groups):
+            plan.append(([p for p in g if id(p) not in alone], gi))
+            plan += [([p], gi) for p in g if id(p) in alone]
+        self.parts = [_GroupPartition(params, gi, stage, group, bucket_numel, overlap, inflight)
+                      for params, gi in plan if params]
 
     @property
     def bucket_count(self) -> int:

@@ -5,10 +5,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megazero.distributed import all_reduce_values
 from megazero.precision import MasterParams
 from megazero.zero.buckets import BucketedGradients
 from megazero.zero.collectives import Handle, all_reduce
 from megazero.zero.layout import FlatLayout
+from megazero.zero.master_partitions import squared_norm
 
 
 class ReplicatedState:
@@ -47,9 +49,22 @@ class ReplicatedState:
         """Finish the all-reduce of every bucket."""
         self.grads.finish_reduction()
 
-    def grad_norm(self) -> float:
-        """Global L2 norm of the (loss-scaled) gradients; inf/nan on overflow."""
-        return torch.linalg.vector_norm(self.grads.buffer).item()
+    def grad_norm(self, counted=None, model_parallel_group=None) -> float:
+        """Global L2 norm of the (loss-scaled) gradients; inf/nan on overflow. Every data-parallel rank
+        holds the whole reduced gradient; with model parallelism the parameters for which counted(p)
+        is true are summed over the model-parallel group."""
+        if counted is None:
+            local = squared_norm(self.grads.buffer)
+        else:
+            local = sum(squared_norm(self.grads.grad(p)) for p in self.layout.params if counted(p))
+        if model_parallel_group is not None:
+            local = all_reduce_values([local], group=model_parallel_group)[0]
+        return local ** 0.5
+
+    def sync_grads(self, params: list[torch.nn.Parameter], group) -> None:
+        """Sum the reduced gradients of `params` over `group` (tied weights on other pipeline stages)."""
+        for p in params:
+            dist.all_reduce(self.grads.grad(p), group=group)
 
     def scale_gradients(self, factor: float) -> None:
         """Multiply all gradients by `factor` (unscale and clip for optimizers that cannot)."""

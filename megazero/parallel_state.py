@@ -1,0 +1,196 @@
+"""The tensor x pipeline x data-parallel grid of process groups (Megatron's rank order).
+
+Ranks are laid out with tensor parallelism innermost, then data parallelism, then pipeline
+stages outermost, so the ranks of one TP group are consecutive (on one node, where bandwidth is
+highest) and a pipeline stage is a contiguous block of tp * dp ranks:
+
+    rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+
+`initialize_model_parallel(tp, pp)` builds the grid once per process and makes this module the
+`mpu` that `megazero.initialize(..., mpu=parallel_state)` accepts (DeepSpeed's convention); the
+library itself receives the groups explicitly, as a `ParallelGrid`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+
+@dataclass
+class ParallelGrid:
+    """This rank's coordinates in the grid and the process groups it belongs to."""
+
+    tensor_model_parallel_size: int
+    pipeline_model_parallel_size: int
+    data_parallel_size: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    tp_group: object
+    pp_group: object
+    dp_group: object
+    model_parallel_group: object  # tp x pp: every rank holding a piece of one model replica
+    embedding_group: object | None  # first and last pipeline stage (tied word embeddings)
+    pp_ranks: list[int]  # global ranks of this rank's pipeline, by stage
+
+    @property
+    def is_first_stage(self) -> bool:
+        """True on the pipeline stage that holds the embeddings."""
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """True on the pipeline stage that holds the head and the loss."""
+        return self.pp_rank == self.pipeline_model_parallel_size - 1
+
+
+def grid_rank(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int) -> int:
+    """Global rank of grid coordinates (TP innermost, then DP, then PP)."""
+    return pp_rank * dp * tp + dp_rank * tp + tp_rank
+
+
+def build_grid(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1) -> ParallelGrid:
+    """Create every group of the grid (collective: all ranks call it with the same sizes)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    if tp < 1 or pp < 1 or world % (tp * pp):
+        raise ValueError(f"world size {world} is not divisible by tensor_model_parallel_size ({tp}) x "
+                         f"pipeline_model_parallel_size ({pp})")
+    dp = world // (tp * pp)
+    coords = [(r % tp, (r // tp) % dp, r // (tp * dp)) for r in range(world)]
+    tp_rank, dp_rank, pp_rank = coords[rank]
+    mine = {}
+
+    def make(name: str, members_of):
+        # every rank creates every group, in the same order (new_group is collective)
+        for key in sorted({members_of(*c) for c in coords}):
+            group = dist.new_group(list(key)) if len(key) < world else dist.group.WORLD
+            if rank in key:
+                mine[name] = group
+
+    make("tp", lambda t, d, p: tuple(grid_rank(i, d, p, tp, dp) for i in range(tp)))
+    make("dp", lambda t, d, p: tuple(grid_rank(t, i, p, tp, dp) for i in range(dp)))
+    make("pp", lambda t, d, p: tuple(grid_rank(t, d, i, tp, dp) for i in range(pp)))
+    make("mp", lambda t, d, p: tuple(grid_rank(i, d, j, tp, dp) for j in range(pp) for i in range(tp)))
+    if pp > 1:
+        make("embedding", lambda t, d, p: tuple(grid_rank(t, d, i, tp, dp) for i in sorted({0, pp - 1})))
+    return ParallelGrid(tp, pp, dp, tp_rank, pp_rank, dp_rank, mine["tp"], mine["pp"], mine["dp"], mine["mp"],
+                        mine.get("embedding"), [grid_rank(tp_rank, dp_rank, i, tp, dp) for i in range(pp)])
+
+
+_GRID: ParallelGrid | None = None
+_BUILT: dict[tuple[int, int, int], ParallelGrid] = {}  # groups are costly to create: reuse them
+
+
+def initialize_model_parallel(tensor_model_parallel_size: int = 1,
+                              pipeline_model_parallel_size: int = 1) -> ParallelGrid:
+    """Build the grid for this process (replacing an earlier one) and return it."""
+    global _GRID
+    key = (tensor_model_parallel_size, pipeline_model_parallel_size, dist.get_world_size())
+    if key not in _BUILT:
+        _BUILT[key] = build_grid(tensor_model_parallel_size, pipeline_model_parallel_size)
+    _GRID = _BUILT[key]
+    return _GRID
+
+
+def model_parallel_is_initialized() -> bool:
+    """True once initialize_model_parallel() has run."""
+    return _GRID is not None
+
+
+def destroy_model_parallel() -> None:
+    """Forget the grid (its groups stay valid until the process group is destroyed)."""
+    global _GRID
+    _GRID = None
+
+
+def get_grid() -> ParallelGrid:
+    """The grid built by initialize_model_parallel()."""
+    if _GRID is None:
+        raise RuntimeError("model parallelism is not initialized: call "
+                           "megazero.parallel_state.initialize_model_parallel() first")
+    return _GRID
+
+
+def grid_from_mpu(mpu) -> ParallelGrid | None:
+    """The grid behind an `mpu` given to megazero.initialize(): this module (or anything with
+    get_grid()), or a DeepSpeed-style object with get_data_parallel_group() and optionally the
+    tensor-parallel getters (no pipelining)."""
+    if mpu is None:
+        return None
+    if hasattr(mpu, "get_grid"):
+        return mpu.get_grid()
+    dp_group = mpu.get_data_parallel_group()
+    tp_group = mpu.get_tensor_model_parallel_group() if hasattr(mpu, "get_tensor_model_parallel_group") else None
+    tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+    tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+    return ParallelGrid(tp_size, 1, dist.get_world_size(dp_group), tp_rank, 0, dist.get_rank(dp_group), tp_group,
+                        None, dp_group, tp_group, None, [dist.get_rank()])
+
+
+# ---- Megatron's mpu getters --------------------------------------------------------------
+def get_tensor_model_parallel_group():
+    """Process group of this rank's tensor-parallel peers."""
+    return get_grid().tp_group
+
+
+def get_tensor_model_parallel_rank() -> int:
+    """This rank's index in its tensor-parallel group."""
+    return get_grid().tp_rank
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    """Tensor-parallel degree."""
+    return get_grid().tensor_model_parallel_size
+
+
+def get_pipeline_model_parallel_group():
+    """Process group of this rank's pipeline (one rank per stage)."""
+    return get_grid().pp_group
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    """This rank's pipeline stage."""
+    return get_grid().pp_rank
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    """Number of pipeline stages."""
+    return get_grid().pipeline_model_parallel_size
+
+
+def get_data_parallel_group():
+    """Process group over which ZeRO partitions and gradients are reduced."""
+    return get_grid().dp_group
+
+
+def get_data_parallel_rank() -> int:
+    """This rank's index in its data-parallel group."""
+    return get_grid().dp_rank
+
+
+def get_data_parallel_world_size() -> int:
+    """Data-parallel degree."""
+    return get_grid().data_parallel_size
+
+
+def get_model_parallel_group():
+    """All ranks holding a piece of this rank's model replica (TP x PP)."""
+    return get_grid().model_parallel_group
+
+
+def get_embedding_group():
+    """First and last pipeline stage of this rank's pipeline (None without pipelining)."""
+    return get_grid().embedding_group
+
+
+def is_pipeline_first_stage() -> bool:
+    """True on the first pipeline stage."""
+    return get_grid().is_first_stage
+
+
+def is_pipeline_last_stage() -> bool:
+    """True on the last pipeline stage."""
+    return get_grid().is_last_stage

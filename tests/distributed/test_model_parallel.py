@@ -1,0 +1,116 @@
+"""Tensor, sequence and pipeline parallelism (alone, combined, and with data parallelism / ZeRO)
+match the single-process model: same seed, same data, 10 steps.
+
+Tolerances (fp32): relative loss difference <= 1e-5 per step; every parameter's gradient of the
+first batch, gathered, within 1e-5 relative (in norm) of the single-process one; final weights
+within 2e-5. The layouts differ only in the order of floating-point sums (split matmuls,
+all-reduces), which is ~1e-7 relative per step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.training_helpers import base_config, first_step_gradients, train
+
+STEPS = 10
+LOSS_RTOL = 1e-5
+GRAD_RTOL = 1e-5
+PARAM_ATOL = 2e-5
+LOW_PRECISION_RTOL = 1e-2  # bf16/fp16 runs against the single-process run of the same precision
+
+# (name, world size, (TP, PP), model overrides, zero stage, micro-batch size)
+LAYOUTS = [
+    ("tp2", 2, (2, 1), {}, 0, 8),
+    ("pp2", 2, (1, 2), {}, 0, 2),
+    ("tp2_sp", 2, (2, 1), {"sequence_parallel": True}, 0, 8),
+    ("pp2_zero1", 2, (1, 2), {}, 1, 2),
+    ("pp2_zero2", 2, (1, 2), {}, 2, 2),
+    ("tp2_dp2", 4, (2, 1), {}, 0, 4),
+    ("tp2_dp2_zero3", 4, (2, 1), {}, 3, 4),
+    ("pp2_dp2_zero1", 4, (1, 2), {}, 1, 2),
+    ("pp2_dp2_zero2", 4, (1, 2), {}, 2, 2),
+    ("tp2_pp2", 4, (2, 2), {}, 0, 2),
+    ("tp2_pp2_sp", 4, (2, 2), {"sequence_parallel": True}, 1, 2),
+]
+GRADIENT_LAYOUTS = [x for x in LAYOUTS if x[0] in ("tp2", "pp2", "tp2_sp", "tp2_pp2_sp", "pp2_dp2_zero2",
+                                                  "tp2_dp2_zero3")]
+
+
+def _config(stage: int, micro: int, **extra) -> dict:
+    zero = {"stage": stage, "reduce_bucket_size": 20000, "stage3_param_persistence_threshold": 0}
+    return base_config(train_micro_batch_size_per_gpu=micro, zero_optimization=zero, **extra)
+
+
+@pytest.fixture(scope="module")
+def reference(pools, token_dataset_prefix_module):
+    return pools(1).run(train, base_config(train_micro_batch_size_per_gpu=8), token_dataset_prefix_module, STEPS)[0]
+
+
+@pytest.fixture(scope="module")
+def reference_gradients(pools, token_dataset_prefix_module):
+    return pools(1).run(first_step_gradients, token_dataset_prefix_module, None, None)[0]
+
+
+def _assert_losses(ref: list[float], other: list[float], rtol: float) -> None:
+    assert len(ref) == len(other) == STEPS
+    for step, (a, b) in enumerate(zip(ref, other)):
+        assert abs(a - b) <= rtol * abs(a), f"step {step}: loss {a} vs {b}"
+
+
+@pytest.mark.parametrize("name,world,layout,overrides,stage,micro", LAYOUTS, ids=[x[0] for x in LAYOUTS])
+def test_layout_matches_single_process(pools, reference, token_dataset_prefix_module, name, world, layout,
+                                       overrides, stage, micro):
+    results = pools(world).run(train, _config(stage, micro), token_dataset_prefix_module, STEPS, 0, None, None,
+                               None, overrides, layout)
+    for rank_result in results:
+        _assert_losses(reference["losses"], rank_result["losses"], LOSS_RTOL)
+        assert rank_result["params"].keys() == reference["params"].keys()
+        for key, value in reference["params"].items():
+            torch.testing.assert_close(rank_result["params"][key], value, rtol=0, atol=PARAM_ATOL, msg=key)
+    assert reference["losses"][-1] < reference["losses"][0]
+
+
+@pytest.mark.parametrize("name,world,layout,overrides,stage,micro", GRADIENT_LAYOUTS,
+                         ids=[x[0] for x in GRADIENT_LAYOUTS])
+def test_gradients_match_single_process(pools, reference_gradients, token_dataset_prefix_module, name, world,
+                                        layout, overrides, stage, micro):
+    zero = {"stage": stage, "reduce_bucket_size": 20000, "stage3_param_persistence_threshold": 0}
+    results = pools(world).run(first_step_gradients, token_dataset_prefix_module, layout, overrides,
+                               {"train_micro_batch_size_per_gpu": micro, "zero_optimization": zero})
+    for grads in results:
+        assert grads.keys() == reference_gradients.keys()
+        for key, expected in reference_gradients.items():
+            error = torch.linalg.vector_norm(grads[key] - expected) / torch.linalg.vector_norm(expected)
+            assert error <= GRAD_RTOL, f"{key}: relative gradient error {error:.2e}"
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("layout,stage", [((1, 2), 2), ((2, 1), 1)], ids=["pp2_zero2", "tp2_zero1"])
+def test_low_precision_with_model_parallelism(pools, token_dataset_prefix_module, precision, layout, stage):
+    extra = {"bf16": {"enabled": True}} if precision == "bf16" else {"fp16": {"enabled": True,
+                                                                            "initial_scale_power": 12}}
+    micro = 2 if layout[1] > 1 else 8
+    ref = pools(1).run(train, base_config(train_micro_batch_size_per_gpu=micro, **extra),
+                       token_dataset_prefix_module, STEPS)[0]
+    for result in pools(2).run(train, _config(stage, micro, **extra), token_dataset_prefix_module, STEPS, 0, None,
+                               None, None, None, layout):
+        _assert_losses(ref["losses"], result["losses"], LOW_PRECISION_RTOL)
+        assert result["skipped"] == ref["skipped"]
+
+
+def test_pipeline_refuses_zero3(pools, token_dataset_prefix_module):
+    with pytest.raises(Exception, match="ZeRO-3 is not supported with pipeline parallelism"):
+        pools(2).run(train, _config(3, 2), token_dataset_prefix_module, 1, 0, None, None, None, None, (1, 2))
+
+
+def test_grid_rejects_bad_sizes(pools):
+    with pytest.raises(Exception, match=r"world size 2 is not divisible by tensor_model_parallel_size \(4\)"):
+        pools(2).run(_init_grid, 4, 1)
+
+
+def _init_grid(tp: int, pp: int):
+    from megazero.parallel_state import initialize_model_parallel
+
+    initialize_model_parallel(tp, pp)
