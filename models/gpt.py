@@ -215,6 +215,13 @@ class GPT(nn.Module):
         """Trainable parameters on this rank (the tied embedding counted once)."""
         return sum(p.numel() for p in self.parameters())
 
+    def global_parameter_name(self, name: str) -> str:
+        """`name` with this stage's layer numbers made global (blocks.0 of stage 2 -> blocks.{first})."""
+        if name.startswith("blocks."):
+            index, rest = name[len("blocks."):].split(".", 1)
+            return f"blocks.{self.layers[int(index)]}.{rest}"
+        return name
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token + position embeddings, with dropout (split along the sequence under SP)."""
         seq = input_ids.shape[1]

@@ -64,13 +64,7 @@ def full_parameters(engine) -> dict[str, torch.Tensor]:
                 shards = [torch.empty_like(params[name]) for _ in range(grid.tensor_model_parallel_size)]
                 dist.all_gather(shards, params[name], group=grid.tp_group)
                 params[name] = merge_shards(shards, dim, stride)
-    offset = engine.module.layers.start
-    renamed = {}
-    for name, value in params.items():
-        if name.startswith("blocks."):
-            index, rest = name[len("blocks."):].split(".", 1)
-            name = f"blocks.{int(index) + offset}.{rest}"
-        renamed[name] = value
+    renamed = {engine.module.global_parameter_name(name): value for name, value in params.items()}
     if grid.pipeline_model_parallel_size > 1:
         stages = [None] * grid.pipeline_model_parallel_size
         dist.all_gather_object(stages, renamed, group=grid.pp_group)

@@ -6,37 +6,29 @@ import os
 
 import torch
 
-from megazero.checkpoint.engine_state import MODEL_FILE, OPTIM_FILE, resolve_tag
-from megazero.checkpoint.io import CheckpointError, load_file
-from megazero.checkpoint.zero_state import per_parameter_states, read_zero_files
+from megazero.checkpoint.engine_state import resolve_tag
+from megazero.checkpoint.io import CheckpointError
+from megazero.checkpoint.universal import read_parameter_states
 
 
 def consolidate_fp32_state_dict(checkpoint_dir: str, tag: str | None = None) -> dict[str, torch.Tensor]:
-    """The model's state dict with every trainable parameter as its fp32 master weight (padding stripped).
+    """The whole model's state dict with every trainable parameter as its fp32 master weight (padding
+    stripped, tensor-parallel shards joined, pipeline stages merged, global parameter names).
 
     Parameters come from the optimizer files (so 16-bit training yields the fp32 masters, not the
-    rounded copies); buffers come from the model file as saved.
+    rounded copies); buffers come from the model files as saved.
     """
     tag = resolve_tag(checkpoint_dir, tag)
     if tag is None:
         raise CheckpointError(f"{checkpoint_dir}: no 'latest' file and no tag given")
-    path = os.path.join(checkpoint_dir, tag)
-    state = load_file(os.path.join(path, MODEL_FILE))
-    masters: dict[str, torch.Tensor] = {}
-    if state["zero_stage"] == 0:
-        optim = load_file(os.path.join(path, OPTIM_FILE))
-        if optim["master_params"] is not None:
-            masters = dict(zip(optim["param_names"], optim["master_params"]))
-    else:
-        for group in per_parameter_states(read_zero_files(path)):
-            masters.update(group["master"])
+    states = read_parameter_states(os.path.join(checkpoint_dir, tag))
     out = {}
-    for name, tensor in state["module"].items():
-        if name in masters:
-            out[name] = masters.pop(name).float().reshape(tensor.shape).contiguous()
+    for name, tensor in states.module.items():
+        if name in states.weights:
+            out[name] = states.weights[name].float().reshape(tensor.shape).contiguous()
         else:
             out[name] = tensor.float() if tensor.is_floating_point() else tensor
-    out.update({name: t.float().contiguous() for name, t in masters.items()})  # ZeRO-3: parameters only here
+    out.update({name: t.float().contiguous() for name, t in states.weights.items() if name not in out})
     return out
 
 

@@ -1,17 +1,22 @@
 """What an engine checkpoint holds, and how it is written and read back.
 
-Layout of save_dir/tag/ (DeepSpeed-like names):
-  mp_rank_00_model_states.pt   module state dict, counters, LR schedule, loss scaler, client state
-  mp_rank_00_optim_states.pt   ZeRO stage 0: optimizer state dict and the fp32 master weights
-  zero_pp_rank_{D}_mp_rank_00_optim_states.pt   ZeRO stages 1/2: data-parallel rank D's master and
-                               optimizer partitions and their layout (re-cut on load for any DP size)
-  rng_state_rank{R}.pt         each rank's torch / python / numpy RNG states
-Resuming restores all of it, and the engine's data loader position, so a resumed run continues
-bit for bit like an uninterrupted one.
+Files of save_dir/tag/ (names in checkpoint.files), per (tensor rank TP, pipeline stage PP):
+  mp_rank_{TP}[_{PP}]_model_states.pt   module state dict under global parameter names, the
+                               layout (TP, PP, DP sizes, ZeRO stage), each parameter's partition
+                               dimension, counters, LR schedule, loss scaler, client state
+  mp_rank_{TP}[_{PP}]_optim_states.pt   ZeRO stage 0: optimizer state dict and fp32 master weights
+  zero_pp_rank_{D}_mp_rank_{TP}[_{PP}]_optim_states.pt   ZeRO 1-3: data-parallel rank D's master and
+                               optimizer partitions and their layout
+  rng_state_rank{R}.pt         each rank's torch / python / numpy RNG states (and the TP tracker's)
+Resuming at the same layout restores all of it, and the engine's data loader position, so a
+resumed run continues bit for bit like an uninterrupted one. At any other layout (TP, PP, DP or
+ZeRO stage changed) the states are reassembled per parameter and cut again (checkpoint.universal);
+RNG states are then not restored.
 """
 
 from __future__ import annotations
 
+import glob
 import os
 import random
 import warnings
@@ -19,6 +24,7 @@ import warnings
 import numpy as np
 import torch
 
+from megazero.checkpoint.files import model_file, optim_file, rng_file, zero_file
 from megazero.checkpoint.io import (
     CheckpointError,
     atomic_checkpoint_dir,
@@ -28,16 +34,12 @@ from megazero.checkpoint.io import (
     read_latest,
     save_file,
 )
-from megazero.checkpoint.zero_state import ZERO_FILE, load_zero_state, zero_state
+from megazero.checkpoint.universal import apply_parameter_states, read_parameter_states, saved_layout
+from megazero.checkpoint.zero_state import load_own_zero_state, same_zero_layout, zero_state
+from megazero.tensor_parallel.random import get_rng_tracker
 
-MODEL_FILE = "mp_rank_00_model_states.pt"
-OPTIM_FILE = "mp_rank_00_optim_states.pt"
-FORMAT_VERSION = 1
-
-
-def rng_file(rank: int) -> str:
-    """Name of the RNG-state file of global rank `rank`."""
-    return f"rng_state_rank{rank}.pt"
+MODEL_FILE = model_file()  # the single-process (TP = PP = 1) name
+FORMAT_VERSION = 2
 
 
 def capture_rng_state() -> dict:
@@ -50,6 +52,7 @@ def capture_rng_state() -> dict:
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
+    state["tensor_parallel"] = get_rng_tracker().get_states()
     return state
 
 
@@ -62,6 +65,29 @@ def restore_rng_state(state: dict) -> None:
     np.random.set_state((name, keys.numpy(), int(pos), int(has_gauss), float(cached)))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+    if "tensor_parallel" in state:
+        get_rng_tracker().set_states(state["tensor_parallel"])
+
+
+def global_names(module: torch.nn.Module) -> dict[int, str]:
+    """id(param) -> its name in the whole model (a pipeline stage's module maps its local layer
+    numbers through `global_parameter_name`, when it has one)."""
+    rename = getattr(module, "global_parameter_name", None)
+    return {id(p): rename(name) if rename else name for name, p in module.named_parameters()}
+
+
+def layout_of(engine) -> dict:
+    """The engine's layout: tensor/pipeline/data-parallel sizes, ZeRO stage, this rank's TP/PP ranks."""
+    grid = engine.grid
+    return {"tp": grid.tensor_model_parallel_size if grid else 1, "pp": grid.pipeline_model_parallel_size if grid
+            else 1, "dp": engine.dp_world_size, "zero_stage": engine.dp.stage,
+            "tp_rank": grid.tp_rank if grid else 0, "pp_rank": grid.pp_rank if grid else 0}
+
+
+def _files(engine) -> tuple[str, str, str]:
+    layout = layout_of(engine)
+    where = (layout["tp_rank"], layout["pp_rank"], layout["pp"])
+    return model_file(*where), optim_file(*where), zero_file(engine.dp_rank, *where)
 
 
 def save_engine_checkpoint(engine, save_dir, tag: str | None, client_state: dict) -> str:
@@ -69,26 +95,35 @@ def save_engine_checkpoint(engine, save_dir, tag: str | None, client_state: dict
     save_dir = os.fspath(save_dir)
     tag = check_tag(tag or f"global_step{engine.global_steps}")
     check_plain(client_state)
-    names = {id(p): name for name, p in engine.module.named_parameters()}
+    names = global_names(engine.module)
+    model_name, optim_name, zero_name = _files(engine)
     with atomic_checkpoint_dir(save_dir, tag) as tmp:
-        if engine.global_rank == 0:
-            save_file(_model_state(engine, client_state), os.path.join(tmp, MODEL_FILE))
-        if engine.dp.stage == 0 and engine.global_rank == 0:
+        if engine.dp_rank == 0:  # one writer per (tensor rank, pipeline stage)
+            save_file(_model_state(engine, client_state, names), os.path.join(tmp, model_name))
+        if engine.dp.stage == 0 and engine.dp_rank == 0:
             master = engine.dp.master
             save_file({"optimizer": engine.optimizer.state_dict(),
                        "param_names": [names[id(p)] for p in master.model_params],
                        "master_params": [p.detach() for p in master.params] if master.separate else None},
-                      os.path.join(tmp, OPTIM_FILE))
+                      os.path.join(tmp, optim_name))
         elif engine.dp.stage > 0:
-            save_file(zero_state(engine, names), os.path.join(tmp, ZERO_FILE.format(dp=engine.dp_rank)))
+            save_file(zero_state(engine, names), os.path.join(tmp, zero_name))
         save_file(capture_rng_state(), os.path.join(tmp, rng_file(engine.global_rank)))
     return os.path.join(save_dir, tag)
 
 
-def _model_state(engine, client_state: dict) -> dict:
+def _model_state(engine, client_state: dict, names: dict[int, str]) -> dict:
+    params = dict(engine.module.named_parameters())
+    config = getattr(engine.module, "config", None)
     return {
         "format_version": FORMAT_VERSION,
         "module": _module_state(engine),
+        "layout": layout_of(engine),
+        "tp_rank": layout_of(engine)["tp_rank"],
+        "pp_rank": layout_of(engine)["pp_rank"],
+        "param_meta": {names[id(p)]: [getattr(p, "partition_dim", None) if getattr(p, "tensor_model_parallel", False)
+                                      else None, getattr(p, "partition_stride", 1)] for p in params.values()},
+        "model_config": config.to_dict() if hasattr(config, "to_dict") else None,
         "global_steps": engine.global_steps,
         "global_samples": engine.global_samples,
         "micro_steps": engine.micro_steps,
@@ -103,13 +138,15 @@ def _model_state(engine, client_state: dict) -> dict:
 
 
 def _module_state(engine) -> dict:
-    """The module's state dict; under ZeRO-3 without the (partitioned) parameters, which live in the
-    per-rank ZeRO files, so that no rank has to hold the whole model to save it."""
+    """The module's state dict under global names; under ZeRO-3 without the (partitioned)
+    parameters, which live in the per-rank ZeRO files, so that no rank has to hold the whole
+    model to save it."""
+    rename = getattr(engine.module, "global_parameter_name", None) or (lambda name: name)
     state = engine.module.state_dict()
     if engine.dp.stage == 3:
         params = {name for name, _ in engine.module.named_parameters()}
         state = {k: v for k, v in state.items() if k not in params}
-    return state
+    return {rename(k): v for k, v in state.items()}
 
 
 def resolve_tag(load_dir: str, tag: str | None) -> str | None:
@@ -128,6 +165,14 @@ def resolve_tag(load_dir: str, tag: str | None) -> str | None:
     return tag
 
 
+def _read_model_state(path: str, name: str) -> dict:
+    state = load_file(os.path.join(path, name))
+    if state.get("format_version") not in (1, FORMAT_VERSION):
+        raise CheckpointError(f"{path}/{name}: format_version {state.get('format_version')!r}, expected "
+                              f"{FORMAT_VERSION}")
+    return state
+
+
 def load_engine_checkpoint(engine, load_dir, tag: str | None, load_optimizer_states: bool,
                            load_lr_scheduler_states: bool):
     """Restore an engine from load_dir/tag; returns (path, client_state) or (None, None)."""
@@ -137,21 +182,63 @@ def load_engine_checkpoint(engine, load_dir, tag: str | None, load_optimizer_sta
         warnings.warn(f"no 'latest' file in {load_dir}: nothing to load, starting from scratch", stacklevel=3)
         return None, None
     path = os.path.join(load_dir, tag)
-    state = load_file(os.path.join(path, MODEL_FILE))
-    if state.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{path}/{MODEL_FILE}: format_version {state.get('format_version')!r}, "
-                              f"expected {FORMAT_VERSION}")
-    engine.module.load_state_dict(state["module"], strict=state["zero_stage"] != 3 and engine.dp.stage != 3)
-    if load_optimizer_states:
-        if state["zero_stage"] != engine.dp.stage:
-            raise CheckpointError(f"{path} was saved with ZeRO stage {state['zero_stage']}, the engine runs stage "
-                                  f"{engine.dp.stage}; load with load_optimizer_states=False to take the weights only")
-        if engine.dp.stage == 0:
-            _load_replicated_optimizer(engine, path)
-        else:
-            load_zero_state(engine, path, {id(p): name for name, p in engine.module.named_parameters()})
+    model_name, optim_name, zero_name = _files(engine)
+    mine = layout_of(engine)
+    state = _read_model_state(path, model_name if os.path.isfile(os.path.join(path, model_name))
+                              else _any_model_file(path))
+    saved = saved_layout(state)
+    # weights only: always per parameter (the ZeRO-3 module file holds no parameters)
+    same = (all(saved[k] == mine[k] for k in ("tp", "pp", "dp", "zero_stage")) and not state.get("converted")
+            and load_optimizer_states)
+    names = global_names(engine.module)
+    if same and engine.dp.stage > 0:
+        zero = load_file(os.path.join(path, zero_name))
+        same = same_zero_layout(engine, zero, names)
+    if same:
+        _load_same_layout(engine, path, state, optim_name, zero_name, load_optimizer_states)
     else:
-        engine.dp.reset_masters()
+        apply_parameter_states(engine, read_parameter_states(path), load_optimizer_states, names)
+        engine.module.load_state_dict(_local_buffers(engine, state), strict=False)
+    _restore_engine_state(engine, state, load_lr_scheduler_states)
+    if not same:  # another layout may accumulate another number of micro-batches per step
+        engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
+    rng_path = os.path.join(path, rng_file(engine.global_rank))
+    if same and os.path.isfile(rng_path):
+        restore_rng_state(load_file(rng_path))
+    else:
+        warnings.warn(f"{path}: saved at another layout (or without {rng_file(engine.global_rank)}): RNG states "
+                      f"not restored", stacklevel=3)
+    return path, state["client_state"]
+
+
+def _any_model_file(path: str) -> str:
+    found = sorted(glob.glob(os.path.join(path, "mp_rank_*_model_states.pt")))
+    if not found:
+        raise CheckpointError(f"{path}: no mp_rank_*_model_states.pt file")
+    return os.path.basename(found[0])
+
+
+def _local_buffers(engine, state: dict) -> dict:
+    """The module's non-parameter state (buffers) from a model file, under local names."""
+    rename = getattr(engine.module, "global_parameter_name", None) or (lambda name: name)
+    params = {name for name, _ in engine.module.named_parameters()}
+    local = {rename(k): k for k in engine.module.state_dict() if k not in params}
+    return {local[k]: v for k, v in state["module"].items() if k in local}
+
+
+def _load_same_layout(engine, path: str, state: dict, optim_name: str, zero_name: str,
+                      load_optimizer_states: bool) -> None:
+    rename = getattr(engine.module, "global_parameter_name", None) or (lambda name: name)
+    local = {rename(k): k for k in engine.module.state_dict()}
+    engine.module.load_state_dict({local[k]: v for k, v in state["module"].items() if k in local},
+                                  strict=engine.dp.stage != 3)
+    if engine.dp.stage == 0:
+        _load_replicated_optimizer(engine, os.path.join(path, optim_name))
+    else:
+        load_own_zero_state(engine, load_file(os.path.join(path, zero_name)))
+
+
+def _restore_engine_state(engine, state: dict, load_lr_scheduler_states: bool) -> None:
     if load_lr_scheduler_states and engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
     engine.loss_scaler.load_state_dict(state["loss_scaler"])
@@ -159,18 +246,12 @@ def load_engine_checkpoint(engine, load_dir, tag: str | None, load_optimizer_sta
     engine.global_samples = state["global_samples"]
     engine.micro_steps = state["micro_steps"]
     engine.skipped_steps = state["skipped_steps"]
-    _restore_data_position(engine, state)
-    rng_path = os.path.join(path, rng_file(engine.global_rank))
-    if os.path.isfile(rng_path):
-        restore_rng_state(load_file(rng_path))
-    else:
-        warnings.warn(f"{rng_path} not found (saved with another world size?): RNG states not restored",
-                      stacklevel=3)
-    return path, state["client_state"]
+    if engine.training_dataloader is not None:
+        engine.training_dataloader.set_consumed_samples(state["global_samples"])
 
 
-def _load_replicated_optimizer(engine, path: str) -> None:
-    optim = load_file(os.path.join(path, OPTIM_FILE))
+def _load_replicated_optimizer(engine, optim_path: str) -> None:
+    optim = load_file(optim_path)
     engine.optimizer.load_state_dict(optim["optimizer"])
     master = engine.dp.master
     if master.separate:
@@ -178,8 +259,3 @@ def _load_replicated_optimizer(engine, path: str) -> None:
             for param, saved in zip(master.params, optim["master_params"]):
                 param.copy_(saved)
         master.copy_to_model()
-
-
-def _restore_data_position(engine, state: dict) -> None:
-    if engine.training_dataloader is not None:
-        engine.training_dataloader.set_consumed_samples(state["global_samples"])

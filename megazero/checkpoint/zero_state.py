@@ -1,27 +1,20 @@
-"""Optimizer-state files of partitioned (ZeRO 1/2) engines, re-cut on load for any data-parallel size.
+"""Optimizer-state files of partitioned (ZeRO 1-3) engines.
 
-Each data-parallel rank writes `zero_pp_rank_{dp}_mp_rank_00_optim_states.pt` holding its fp32
-master partitions, its optimizer state dict (over those partitions) and the layout they follow
-(parameter names and flat offsets, buckets with their partition offsets, world size). Loading at
-the same size reads the rank's own file; at another size every file is read, each state tensor
-(master weights, Adam moments, ...) is reassembled per parameter, and cut again for the new layout.
-The per-parameter view is also what zero_to_fp32 writes.
+Each data-parallel rank writes `zero_pp_rank_{dp}_mp_rank_{tp}[_{pp}]_optim_states.pt` holding its
+fp32 master partitions, its optimizer state dict (over those partitions) and the layout they
+follow (global parameter names and flat offsets, buckets with their partition offsets, world
+size). Loading at the same layout reads the rank's own file; otherwise every file is read and
+each state tensor (master weights, Adam moments, ...) is reassembled per parameter
+(per_parameter_states) and cut again for the new layout (checkpoint.universal).
 """
 
 from __future__ import annotations
-
-import glob
-import os
-import re
 
 import torch
 
 from megazero.checkpoint.io import CheckpointError, load_file
 from megazero.zero.layout import FlatLayout
 from megazero.zero.master_partitions import load_master_partition, master_partition
-
-ZERO_FILE = "zero_pp_rank_{dp}_mp_rank_00_optim_states.pt"
-_ZERO_FILE_RE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 
 
 def layout_meta(layout: FlatLayout, names: dict[int, str]) -> dict:
@@ -44,7 +37,8 @@ def zero_state(engine, names: dict[int, str]) -> dict:
         "dp_rank": engine.dp_rank,
         "optimizer": engine.optimizer.state_dict(),
         "groups": [{"master": master_partition(part), "num_masters": len(part.masters),
-                    "layout": layout_meta(part.layout, names)} for part in engine.dp.parts],
+                    "group_index": part.group_index, "layout": layout_meta(part.layout, names)}
+                   for part in engine.dp.parts],
     }
 
 
@@ -65,28 +59,22 @@ def gather_partitions(meta: dict, partitions: list[torch.Tensor]) -> dict[str, t
     return out
 
 
-def cut_partition(layout: FlatLayout, rank: int, tensors: dict[str, torch.Tensor], names: dict[int, str],
-                  dtype=torch.float32) -> torch.Tensor:
-    """`rank`'s partition of `layout`, filled from per-parameter tensors (padding stays zero)."""
+def cut_partition(layout: FlatLayout, rank: int, tensors: dict[int, torch.Tensor], dtype=torch.float32) -> torch.Tensor:
+    """`rank`'s partition of `layout`, filled from whole tensors keyed by id(param) (padding stays zero)."""
     out = torch.zeros(layout.partition_numel, dtype=dtype)
     for frag in layout.fragments(rank):
-        source = tensors[names[id(frag.param)]].reshape(-1)
+        source = tensors[id(frag.param)].reshape(-1)
         out[frag.partition_start:frag.partition_start + frag.numel] = source[frag.param_start:
                                                                             frag.param_start + frag.numel]
     return out
 
 
-def read_zero_files(path: str) -> list[dict]:
-    """Every rank's ZeRO file in a checkpoint directory, in rank order."""
-    files = {}
-    for f in glob.glob(os.path.join(path, "zero_pp_rank_*_optim_states.pt")):
-        match = _ZERO_FILE_RE.search(f)
-        if match:
-            files[int(match.group(1))] = f
+def read_zero_states(path: str, files: dict[int, str]) -> list[dict]:
+    """The ZeRO files of one (tensor rank, pipeline stage), {dp rank: file}, loaded in rank order."""
     if not files:
         raise CheckpointError(f"{path}: no zero_pp_rank_*_optim_states.pt files")
     if sorted(files) != list(range(len(files))):
-        raise CheckpointError(f"{path}: ZeRO files for ranks {sorted(files)}; some are missing")
+        raise CheckpointError(f"{path}: ZeRO files for data-parallel ranks {sorted(files)}; some are missing")
     states = [load_file(files[r]) for r in range(len(files))]
     world = states[0]["dp_world_size"]
     if len(states) != world:
@@ -120,46 +108,19 @@ def per_parameter_states(states: list[dict]) -> list[dict[str, dict[str, torch.T
     return out
 
 
-def load_zero_state(engine, path: str, names: dict[int, str]) -> None:
-    """Restore master partitions and optimizer state, re-cutting them when the DP size changed."""
-    own = os.path.join(path, ZERO_FILE.format(dp=engine.dp_rank))
-    if os.path.isfile(own):
-        state = load_file(own)
-        if state["dp_world_size"] == engine.dp_world_size and _same_layouts(engine, state, names):
-            _apply(engine, state["optimizer"], [g["master"] for g in state["groups"]])
-            return
-    states = read_zero_files(path)
-    groups = per_parameter_states(states)
-    if len(groups) != len(engine.dp.parts):
-        raise CheckpointError(f"{path}: {len(groups)} parameter partitions saved, the engine has "
-                              f"{len(engine.dp.parts)}")
-    current = engine.optimizer.state_dict()
-    optimizer = {"state": {}, "param_groups": [{**saved, "params": now["params"]} for saved, now in
-                                               zip(states[0]["optimizer"]["param_groups"], current["param_groups"])]}
-    masters, index = [], 0
-    for part, saved in zip(engine.dp.parts, groups):
-        masters.append(cut_partition(part.layout, engine.dp_rank, saved["master"], names))
-        cut = {key: part.layout.split_partition(cut_partition(part.layout, engine.dp_rank, tensors, names))
-               for key, tensors in saved.items() if key not in ("master", "_scalars")}
-        for b in range(len(part.masters)):
-            if cut or saved["_scalars"]:
-                # every master gets its own copy: optimizers update e.g. Adam's step tensor in place
-                scalars = {k: v.clone() if torch.is_tensor(v) else v for k, v in saved["_scalars"].items()}
-                optimizer["state"][index] = {**scalars, **{k: v[b].clone() for k, v in cut.items()}}
-            index += 1
-    _apply(engine, optimizer, masters)
-
-
-def _same_layouts(engine, state: dict, names: dict[int, str]) -> bool:
+def same_zero_layout(engine, state: dict, names: dict[int, str]) -> bool:
+    """True when `state` (one rank's ZeRO file) was written by exactly this engine's partitioning."""
     saved = [g["layout"] for g in state["groups"]]
-    return saved == [layout_meta(part.layout, names) for part in engine.dp.parts]
+    return (state["dp_world_size"] == engine.dp_world_size
+            and saved == [layout_meta(part.layout, names) for part in engine.dp.parts])
 
 
-def _apply(engine, optimizer_state: dict, masters: list[torch.Tensor]) -> None:
-    engine.optimizer.load_state_dict(optimizer_state)
-    for part, master in zip(engine.dp.parts, masters):
-        if master.numel() != part.layout.partition_numel:
-            raise CheckpointError(f"master partition of {master.numel()} elements, expected "
+def load_own_zero_state(engine, state: dict) -> None:
+    """Restore this rank's master partitions and optimizer state from its own file (same layout)."""
+    engine.optimizer.load_state_dict(state["optimizer"])
+    for part, group in zip(engine.dp.parts, state["groups"]):
+        if group["master"].numel() != part.layout.partition_numel:
+            raise CheckpointError(f"master partition of {group['master'].numel()} elements, expected "
                                   f"{part.layout.partition_numel}")
-        load_master_partition(part, master)
+        load_master_partition(part, group["master"])
     engine.dp.update_model()

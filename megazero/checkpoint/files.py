@@ -1,0 +1,54 @@
+"""Names of the files in a checkpoint directory (DeepSpeed's names, extended by pipeline stage).
+
+    mp_rank_{TP}_model_states.pt                 module state, counters, schedule, loss scale, layout
+    mp_rank_{TP}_optim_states.pt                 ZeRO stage 0: optimizer state and fp32 masters
+    zero_pp_rank_{DP}_mp_rank_{TP}_optim_states.pt   ZeRO 1-3: data-parallel rank DP's partitions
+    rng_state_rank{R}.pt                         each global rank's RNG states
+
+With pipeline parallelism the model-parallel suffix {TP} becomes {TP}_{PP} (two and three digits),
+so every (tensor rank, pipeline stage) has its own files and a single-process checkpoint keeps
+DeepSpeed's mp_rank_00_* names.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+
+
+def mp_suffix(tp_rank: int, pp_rank: int, pp_size: int) -> str:
+    """The model-parallel part of a file name."""
+    return f"{tp_rank:02d}" if pp_size == 1 else f"{tp_rank:02d}_{pp_rank:03d}"
+
+
+def model_file(tp_rank: int = 0, pp_rank: int = 0, pp_size: int = 1) -> str:
+    """Module state file of one (tensor rank, pipeline stage)."""
+    return f"mp_rank_{mp_suffix(tp_rank, pp_rank, pp_size)}_model_states.pt"
+
+
+def optim_file(tp_rank: int = 0, pp_rank: int = 0, pp_size: int = 1) -> str:
+    """ZeRO-0 optimizer file of one (tensor rank, pipeline stage)."""
+    return f"mp_rank_{mp_suffix(tp_rank, pp_rank, pp_size)}_optim_states.pt"
+
+
+def zero_file(dp_rank: int, tp_rank: int = 0, pp_rank: int = 0, pp_size: int = 1) -> str:
+    """ZeRO 1-3 partition file of one data-parallel rank of one (tensor rank, pipeline stage)."""
+    return f"zero_pp_rank_{dp_rank}_mp_rank_{mp_suffix(tp_rank, pp_rank, pp_size)}_optim_states.pt"
+
+
+def rng_file(rank: int) -> str:
+    """Name of the RNG-state file of global rank `rank`."""
+    return f"rng_state_rank{rank}.pt"
+
+
+def zero_files_of(path: str, tp_rank: int, pp_rank: int, pp_size: int) -> dict[int, str]:
+    """{data-parallel rank: file} of the ZeRO files of one (tensor rank, pipeline stage)."""
+    suffix = mp_suffix(tp_rank, pp_rank, pp_size)
+    pattern = re.compile(rf"zero_pp_rank_(\d+)_mp_rank_{suffix}_optim_states\.pt$")
+    files = {}
+    for f in glob.glob(os.path.join(path, "zero_pp_rank_*_optim_states.pt")):
+        match = pattern.search(f)
+        if match:
+            files[int(match.group(1))] = f
+    return files

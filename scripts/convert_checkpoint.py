@@ -1,0 +1,70 @@
+"""Convert a GPT checkpoint to another tensor/pipeline-parallel layout (optimizer state included).
+
+    python scripts/convert_checkpoint.py --load CKPT_DIR --save OUT_DIR \
+        --target-tensor-parallel-size T --target-pipeline-parallel-size P [--tag TAG]
+
+The source may have any layout (TP, PP, DP, ZeRO stage). The output holds T x P model and
+optimizer files and loads with any data-parallel size and ZeRO stage. An engine can also load a
+checkpoint of another layout directly; converting first makes each rank read only its own files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from megazero.checkpoint.convert import StageParameter, write_converted  # noqa: E402
+from megazero.checkpoint.engine_state import resolve_tag  # noqa: E402
+from megazero.checkpoint.io import CheckpointError  # noqa: E402
+from megazero.checkpoint.universal import read_parameter_states  # noqa: E402
+from models.gpt import GPT, GPTConfig, stage_layers  # noqa: E402
+
+
+def stage_parameters(config: GPTConfig, pp: int) -> list[list[StageParameter]]:
+    """Each target stage's parameters, in module order, from the stage built on the meta device."""
+    # whole (TP = 1) tensors with the target's vocabulary padding: the shards are cut afterwards
+    whole = dataclasses.replace(config, tensor_model_parallel_size=1, sequence_parallel=False,
+                                make_vocab_size_divisible_by=config.make_vocab_size_divisible_by
+                                * config.tensor_model_parallel_size)
+    stages = []
+    for pp_rank, layers in enumerate(stage_layers(whole, pp)):
+        with torch.device("meta"):
+            model = GPT(whole, layers=layers, pre_process=pp_rank == 0, post_process=pp_rank == pp - 1)
+        stages.append([StageParameter(model.global_parameter_name(name),
+                                      p.partition_dim if getattr(p, "tensor_model_parallel", False) else None,
+                                      getattr(p, "partition_stride", 1)) for name, p in model.named_parameters()])
+    return stages
+
+
+def main(argv=None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--load", required=True, help="checkpoint directory (holding `latest` and tag directories)")
+    parser.add_argument("--tag", default=None, help="default: the tag named by `latest`")
+    parser.add_argument("--save", required=True, help="output checkpoint directory")
+    parser.add_argument("--target-tensor-parallel-size", type=int, required=True)
+    parser.add_argument("--target-pipeline-parallel-size", type=int, required=True)
+    args = parser.parse_args(argv)
+    tag = resolve_tag(args.load, args.tag)
+    if tag is None:
+        raise CheckpointError(f"{args.load}: no 'latest' file and no --tag")
+    states = read_parameter_states(os.path.join(args.load, tag))
+    saved_config = states.engine.get("model_config")
+    if saved_config is None:
+        raise CheckpointError(f"{args.load}/{tag}: no model_config in the checkpoint (saved by a model without "
+                              f"a `config`); cannot place its layers on pipeline stages")
+    tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
+    config = GPTConfig(**{**saved_config, "tensor_model_parallel_size": tp,
+                          "sequence_parallel": saved_config.get("sequence_parallel", False)})
+    out = write_converted(states, args.save, tag, stage_parameters(config, pp), tp, config.to_dict())
+    print(f"wrote {out}: tensor parallel {tp} x pipeline parallel {pp}, {len(states.weights)} parameters")
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""Checkpoints move between layouts (TP, PP, DP, ZeRO stage), optimizer state included: after
+loading at the new layout, the next steps' losses equal those of the source layout's own run.
+
+Each case trains the source layout 3 steps, saves, and goes on to step 5; the target layout
+loads the step-3 checkpoint and trains to step 5. fp32; the layouts differ only in summation
+order, so losses agree to ~1e-7 relative (checked at 1e-5).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import REPO
+from tests.training_helpers import base_config, train
+
+SAVE_AT, STEPS = 3, 5
+LOSS_RTOL = 1e-5
+
+
+def _run(pools, prefix: str, layout: tuple[int, int, int, int], save_dir=None, load_dir=None) -> dict:
+    tp, pp, dp, stage = layout
+    zero = {"stage": stage, "reduce_bucket_size": 20000, "stage3_param_persistence_threshold": 0}
+    config = base_config(train_micro_batch_size_per_gpu=2 if pp > 1 else 8 // dp, zero_optimization=zero)
+    results = pools(tp * pp * dp).run(train, config, prefix, STEPS, 0, save_dir, SAVE_AT if save_dir else None,
+                                      load_dir, None, (tp, pp))
+    return results[0]
+
+
+def _assert_continues(source: dict, target: dict) -> None:
+    expected = source["losses"][SAVE_AT:]
+    assert len(target["losses"]) == len(expected) == STEPS - SAVE_AT
+    for a, b in zip(expected, target["losses"]):
+        assert abs(a - b) <= LOSS_RTOL * abs(a), (expected, target["losses"])
+    for name, value in source["params"].items():
+        torch.testing.assert_close(target["params"][name], value, rtol=0, atol=2e-5, msg=name)
+
+
+CASES = [((2, 1, 2, 1), (1, 2, 2, 2)), ((1, 2, 1, 0), (2, 1, 2, 3)), ((2, 2, 1, 1), (1, 1, 1, 0)),
+         ((1, 1, 2, 3), (2, 2, 1, 2))]
+
+
+@pytest.mark.parametrize("source,target", CASES, ids=["-".join(map(str, s)) + "_to_" + "-".join(map(str, t))
+                                                      for s, t in CASES])
+def test_load_at_another_layout(pools, token_dataset_prefix_module, tmp_path, source, target):
+    before = _run(pools, token_dataset_prefix_module, source, save_dir=str(tmp_path))
+    after = _run(pools, token_dataset_prefix_module, target, load_dir=str(tmp_path))
+    _assert_continues(before, after)
+
+
+def test_convert_checkpoint_script(pools, token_dataset_prefix_module, tmp_path):
+    source = _run(pools, token_dataset_prefix_module, (2, 2, 1, 1), save_dir=str(tmp_path / "src"))
+    subprocess.run([sys.executable, os.path.join(REPO, "scripts", "convert_checkpoint.py"), "--load",
+                    str(tmp_path / "src"), "--save", str(tmp_path / "dst"), "--target-tensor-parallel-size", "1",
+                    "--target-pipeline-parallel-size", "2"], check=True, cwd=REPO)
+    files = sorted(os.listdir(tmp_path / "dst" / f"global_step{SAVE_AT}"))
+    assert "mp_rank_00_000_model_states.pt" in files and "mp_rank_00_001_optim_states.pt" in files
+    assert not any(f.startswith("mp_rank_01") for f in files)
+    target = _run(pools, token_dataset_prefix_module, (1, 2, 2, 2), load_dir=str(tmp_path / "dst"))
+    _assert_continues(source, target)
+
+
+def test_zero_to_fp32_joins_shards_and_stages(pools, token_dataset_prefix_module, tmp_path):
+    from megazero.checkpoint.consolidate import consolidate_fp32_state_dict
+
+    zero = {"stage": 2, "reduce_bucket_size": 20000}
+    config = base_config(train_micro_batch_size_per_gpu=2, zero_optimization=zero)
+    result = pools(4).run(train, config, token_dataset_prefix_module, SAVE_AT, 0, str(tmp_path), SAVE_AT, None, None,
+                          (2, 2))[0]
+    state = consolidate_fp32_state_dict(str(tmp_path))
+    assert state.keys() == result["params"].keys()
+    for name, value in result["params"].items():
+        torch.testing.assert_close(state[name], value, rtol=0, atol=0, msg=name)
