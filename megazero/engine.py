@@ -244,6 +244,27 @@ class Engine(torch.nn.Module):
         dist.broadcast(mean, src=grid.pp_ranks[-1], group=grid.pp_group)
         return mean.cpu()
 
+    @torch.no_grad()
+    def eval_batch(self, batch) -> torch.Tensor:
+        """Loss of one batch (a mapping of model keyword arguments), without gradients; with
+        pipelining the batch runs through every stage and each rank returns the last stage's loss."""
+        batch = self.to_device(batch)
+        if not self.is_pipelined:
+            return self(**batch).detach().float()
+        from megazero.pipeline import StageLinks
+
+        grid = self.grid
+        links = StageLinks(grid.pp_ranks, grid.pp_rank, grid.pp_group, self.config.compute_dtype, self.device)
+        kwargs = dict(batch) if grid.is_first_stage else {**batch, "hidden_states": links.recv_forward()}
+        output = self(**kwargs)
+        if grid.is_last_stage:
+            loss = output.detach().float()
+        else:
+            links.send_forward(output)
+            loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        dist.broadcast(loss, src=grid.pp_ranks[-1], group=grid.pp_group)
+        return loss
+
     @property
     def device(self) -> torch.device:
         """Where the model's parameters live."""

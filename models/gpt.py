@@ -15,6 +15,7 @@ single-process model built from the same seed.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 from dataclasses import asdict, dataclass
@@ -266,7 +267,10 @@ class GPT(nn.Module):
         vocab_size = vocab_size or self.config.vocab_size
         for _ in range(max_new_tokens):
             context = input_ids[:, -self.config.seq_length:]
-            logits = self(context)[:, -1, :vocab_size].float()
+            length = context.shape[1]
+            if self.config.sequence_parallel:  # the sequence must split evenly: pad at the end (causal: unseen)
+                context = F.pad(context, (0, -length % self.config.tensor_model_parallel_size))
+            logits = self(context)[:, length - 1, :vocab_size].float()
             if temperature == 0:
                 next_id = logits.argmax(dim=-1, keepdim=True)
             else:
@@ -287,6 +291,16 @@ def stage_layers(config: GPTConfig, num_stages: int) -> list[range]:
     embedding = config.padded_vocab_size * h
     return balanced_stage_layers([block] * config.num_layers, num_stages, embedding + config.seq_length * h,
                                  embedding + 2 * h)
+
+
+def count_parameters(config: GPTConfig) -> int:
+    """Parameters of the whole model (all stages and shards; the tied embedding once), counted on
+    the meta device without allocating anything."""
+    whole = dataclasses.replace(config, tensor_model_parallel_size=1, sequence_parallel=False,
+                                make_vocab_size_divisible_by=config.make_vocab_size_divisible_by
+                                * config.tensor_model_parallel_size)
+    with torch.device("meta"):
+        return GPT(whole).num_parameters()
 
 
 def build_model(config: GPTConfig, grid=None) -> GPT:

@@ -21,11 +21,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 import megazero  # noqa: E402
+from megazero import parallel_state  # noqa: E402
 from megazero.config import load_config_source  # noqa: E402
 from megazero.data import DistributedBatchLoader, GPTDataset, IndexedDataset, SentencePieceTokenizer  # noqa: E402
 from megazero.distributed import all_reduce_values  # noqa: E402
 from megazero.profiling import gpt_flops_per_token, measure_peak_flops  # noqa: E402
-from models.gpt import GPT, GPTConfig  # noqa: E402
+from models.gpt import GPT, GPTConfig, count_parameters  # noqa: E402
+from models.gpt import build_model as build_gpt  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -38,7 +40,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dropout", type=float)
     p.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
                    help="activation checkpointing: whole layers, or only the attention core")
-    p.add_argument("--recompute-num-layers", type=int, default=None, help="with full: the first N layers")
+    p.add_argument("--recompute-num-layers", type=int, default=None,
+                   help="with full: the first N layers of each pipeline stage")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="split LayerNorm/dropout activations along the sequence across tensor-parallel ranks")
     p.add_argument("--micro-batch-size", type=int, help="overrides train_micro_batch_size_per_gpu")
     p.add_argument("--global-batch-size", type=int, help="overrides train_batch_size")
     p.add_argument("--train-iters", type=int, default=500)
@@ -100,14 +107,16 @@ def engine_config(args: argparse.Namespace) -> dict:
     return config
 
 
-def build_model(args: argparse.Namespace, vocab_size: int) -> GPT:
-    """GPT from --model-config with the size flags applied."""
+def build_model(args: argparse.Namespace, vocab_size: int, grid) -> GPT:
+    """This rank's part of the GPT from --model-config with the size and parallelism flags applied."""
     config = GPTConfig.from_json(args.model_config, vocab_size=vocab_size, num_layers=args.num_layers,
                                  hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
                                  seq_length=args.seq_length, dropout=args.dropout,
                                  recompute_granularity=args.recompute_granularity,
-                                 recompute_num_layers=args.recompute_num_layers)
-    return GPT(config)
+                                 recompute_num_layers=args.recompute_num_layers,
+                                 tensor_model_parallel_size=args.tensor_model_parallel_size,
+                                 sequence_parallel=args.sequence_parallel or None)
+    return build_gpt(config, grid)
 
 
 def param_groups(model: torch.nn.Module) -> list[dict]:
@@ -125,8 +134,7 @@ def evaluate(engine, dataset: GPTDataset, micro_batch: int, iters: int) -> float
     loader = DistributedBatchLoader(dataset, micro_batch, engine.dp_rank, engine.dp_world_size, num_samples=samples)
     loss_sum, batches = 0.0, 0
     for batch in loader:
-        batch = engine.to_device(batch)
-        loss_sum += engine(batch["input_ids"], batch["labels"]).double().item()
+        loss_sum += engine.eval_batch(batch).double().item()
         batches += 1
     loss_sum, batches = all_reduce_values([loss_sum, batches], group=engine.dp_group)
     engine.train()
@@ -146,6 +154,21 @@ def sample_text(model: GPT, tokenizer: SentencePieceTokenizer, prompt: str, toke
     out = model.generate(ids, tokens, temperature=0.8, top_k=40, vocab_size=tokenizer.vocab_size)
     model.train()
     return tokenizer.decode(out[0].tolist())
+
+
+def print_sample(model: GPT, tokenizer: SentencePieceTokenizer, args, grid, rank: int) -> None:
+    """Rank 0 prints a sample; under tensor parallelism its TP peers generate alongside (the
+    forward has collectives). A pipelined model is not sampled here (it needs the whole model)."""
+    if grid.pipeline_model_parallel_size > 1:
+        if rank == 0:
+            print("(no sample: the model is split into pipeline stages; convert the checkpoint to one stage with "
+                  "scripts/convert_checkpoint.py to sample from it)", flush=True)
+        return
+    if grid.dp_rank != 0:
+        return
+    text = sample_text(model, tokenizer, args.sample_prompt, args.sample_tokens, args.seed)
+    if rank == 0:
+        print("----- sample -----\n" + text + "\n------------------", flush=True)
 
 
 class ProgressLog:
@@ -168,7 +191,7 @@ class ProgressLog:
         iters = len(self.losses)
         loss_avg = average_across_ranks(sum(self.losses) / iters, self.engine.dp_group)
         tokens_per_s = iters * self.engine.train_batch_size() * self.args.seq_length / elapsed
-        tflops_per_rank = tokens_per_s * self.flops_per_token / self.engine.dp_world_size / 1e12
+        tflops_per_rank = tokens_per_s * self.flops_per_token / dist.get_world_size() / 1e12
         mfu = tflops_per_rank * 1e12 / self.peak_flops
         done = it - self.run_start_iter
         eta = (time.perf_counter() - self.run_start) / max(done, 1) * (self.args.train_iters - it)
@@ -246,16 +269,18 @@ def main(argv=None) -> dict:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     megazero.init_distributed()
     rank = dist.get_rank()
+    grid = parallel_state.initialize_model_parallel(args.tensor_model_parallel_size,
+                                                    args.pipeline_model_parallel_size)
     megazero.set_seed(args.seed)
     tokenizer = SentencePieceTokenizer(args.tokenizer_model)
-    model = build_model(args, tokenizer.vocab_size)
+    model = build_model(args, tokenizer.vocab_size, grid)
     if torch.cuda.is_available():
         model = model.cuda(torch.cuda.current_device())
     args.seq_length = model.config.seq_length
     train = GPTDataset(IndexedDataset(args.data_path + "_train_text_document"), args.seq_length, seed=args.seed)
     valid = GPTDataset(IndexedDataset(args.data_path + "_valid_text_document"), args.seq_length, shuffle=False)
     engine, _, loader, _ = megazero.initialize(args=args, model=model, model_parameters=param_groups(model),
-                                               training_data=train, config=engine_config(args))
+                                               training_data=train, config=engine_config(args), mpu=parallel_state)
     if args.load:
         path, _ = engine.load_checkpoint(args.load)
         if path and rank == 0:
@@ -263,10 +288,11 @@ def main(argv=None) -> dict:
     stats_path = args.data_path + "_stats.json"
     unigram = json.load(open(stats_path)).get("unigram_entropy_nats") if os.path.exists(stats_path) else None
     peak = args.peak_flops or measure_peak_flops(seconds=0.3, cache_path=os.path.join(REPO, ".cache", "peak.json"))
-    flops = gpt_flops_per_token(model.num_parameters(), model.config.num_layers, model.config.hidden_size,
-                                args.seq_length)
+    num_params = count_parameters(model.config)
+    flops = gpt_flops_per_token(num_params, model.config.num_layers, model.config.hidden_size, args.seq_length)
     if rank == 0:
-        print(f"GPT: {model.num_parameters():,} parameters, {dist.get_world_size()} ranks, "
+        print(f"GPT: {num_params:,} parameters, {dist.get_world_size()} ranks = TP {grid.tensor_model_parallel_size}"
+              f" x PP {grid.pipeline_model_parallel_size} x DP {grid.data_parallel_size}, "
               f"batch {engine.train_batch_size()} = {engine.train_micro_batch_size_per_gpu()} x "
               f"{engine.gradient_accumulation_steps()} x {engine.dp_world_size}, {engine.config.compute_dtype}, "
               f"peak {peak / 1e9:.1f} GFLOP/s per rank", flush=True)
@@ -279,9 +305,8 @@ def main(argv=None) -> dict:
                   f"{engine.global_steps}, exiting", flush=True)
     elif val_loss is None:
         val_loss = run_evaluation(engine, valid, args, rank, unigram)
-    if rank == 0 and reason != "signal":
-        print("----- sample -----\n" + sample_text(model, tokenizer, args.sample_prompt, args.sample_tokens, args.seed)
-              + "\n------------------", flush=True)
+    if reason != "signal":
+        print_sample(model, tokenizer, args, grid, rank)
     engine.monitor.close()
     result = {"iteration": engine.global_steps, "val_loss": val_loss, "unigram_entropy": unigram}
     dist.barrier()
