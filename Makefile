@@ -45,6 +45,7 @@ lint: install
 
 bench: install data
 	$(BIN)/python benchmarks/bench_zero.py $(ARGS)
+	$(BIN)/python benchmarks/bench_parallel.py
 
 clean:
 	rm -rf checkpoints runs wandb benchmarks/results .pytest_cache

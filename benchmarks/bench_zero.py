@@ -168,7 +168,8 @@ def memory_worker(rank: int, world: int, port: int, args, name: str, queue) -> N
     dist.destroy_process_group()
 
 
-def spawn(target, extra_args: tuple, world: int = 2) -> list:
+def spawn_workers(target, extra_args: tuple, world: int = 2, answers: int = 1) -> list:
+    """Run target(rank, world, port, *extra_args, queue) in `world` fresh processes; `answers` results."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -177,10 +178,14 @@ def spawn(target, extra_args: tuple, world: int = 2) -> list:
     procs = [ctx.Process(target=target, args=(r, world, port, *extra_args, queue)) for r in range(world)]
     for p in procs:
         p.start()
-    results = [queue.get() for _ in range(1 if target is throughput_worker else world)]
+    results = [queue.get() for _ in range(answers)]
     for p in procs:
         p.join()
     return results
+
+
+def spawn(target, extra_args: tuple, world: int = 2) -> list:
+    return spawn_workers(target, extra_args, world, 1 if target is throughput_worker else world)
 
 
 def main() -> None:

@@ -27,6 +27,8 @@ LAYOUTS = [
     ("tp2_sp", 2, (2, 1), {"sequence_parallel": True}, 0, 8),
     ("pp2_zero1", 2, (1, 2), {}, 1, 2),
     ("pp2_zero2", 2, (1, 2), {}, 2, 2),
+    ("pp2_recompute", 2, (1, 2), {"recompute_granularity": "full"}, 1, 2),
+    ("tp2_selective_recompute", 2, (2, 1), {"recompute_granularity": "selective"}, 0, 8),
     ("tp2_dp2", 4, (2, 1), {}, 0, 4),
     ("tp2_dp2_zero3", 4, (2, 1), {}, 3, 4),
     ("pp2_dp2_zero1", 4, (1, 2), {}, 1, 2),

@@ -1,0 +1,149 @@
+"""Model-parallel layouts side by side on the recipe's GPT: DP=2, TP=2 (with and without sequence
+parallelism), PP=2 with M = 4 and M = 8 micro-batches.
+
+Two gloo ranks (one thread each); every layout trains the same model (vocabulary 8192 so no
+layout pads it differently) from the same seed on the same global batches (8 x 256 tokens,
+AdamW, clipping, fp32). All engines live in the same two processes and take turns (alternating
+trials), so machine noise hits all alike. Reported per layout: tokens/s and its ratio to DP=2,
+parameter bytes per rank, and for the pipelines the measured bubble (the fraction of the
+schedule a stage spends outside its forward and backward compute, mean over stages) next to
+1F1B's (p - 1) / (m + p - 1). Writes benchmarks/results/parallel.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import megazero  # noqa: E402
+from benchmarks.bench_zero import param_groups, recipe_config, spawn_workers  # noqa: E402
+from megazero import parallel_state  # noqa: E402
+from megazero.data import GPTDataset, IndexedDataset  # noqa: E402
+from megazero.pipeline import bubble_fraction  # noqa: E402
+from models.gpt import GPTConfig, build_model  # noqa: E402
+
+GLOBAL_BATCH = 8
+# name: (TP, PP, sequence parallel, micro-batch size)
+LAYOUTS = {"dp2": (1, 1, False, 4), "tp2": (2, 1, False, 8), "tp2_sp": (2, 1, True, 8),
+           "pp2_m4": (1, 2, False, 2), "pp2_m8": (1, 2, False, 1)}
+
+
+class LayoutRun:
+    """One layout's engine and an endless iterator over its loader."""
+
+    def __init__(self, name: str, args):
+        tp, pp, sp, micro = LAYOUTS[name]
+        self.pp = pp
+        self.micro_batches = GLOBAL_BATCH // micro // (2 // (tp * pp))
+        grid = parallel_state.initialize_model_parallel(tp, pp)
+        config = GPTConfig.from_json(os.path.join(REPO, "configs", "gpt2_cpu.json"), vocab_size=8192,
+                                     tensor_model_parallel_size=tp, sequence_parallel=sp or None)
+        megazero.set_seed(0)
+        model = build_model(config, grid)
+        engine_config = {**recipe_config(), "train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": micro,
+                         "wall_clock_breakdown": True}
+        dataset = GPTDataset(IndexedDataset(args.data_path + "_train_text_document"), config.seq_length, seed=1)
+        self.engine, _, loader, _ = megazero.initialize(model=model, model_parameters=param_groups(model),
+                                                        training_data=dataset, config=engine_config,
+                                                        mpu=parallel_state)
+        self.data = iter(loader)
+        self.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.busy = self.schedule = 0.0
+
+    def step(self) -> float:
+        timers = self.engine.timers
+        before = {n: timers(n).elapsed for n in ("forward", "backward", "step")}
+        start = time.perf_counter()
+        loss = self.engine.train_batch(self.data).item()
+        wall = time.perf_counter() - start
+        after = {n: timers(n).elapsed for n in before}
+        self.busy += after["forward"] - before["forward"] + after["backward"] - before["backward"]
+        self.schedule += wall - (after["step"] - before["step"])
+        return loss
+
+
+def worker(rank: int, world: int, port: int, args, queue) -> None:
+    from benchmarks.bench_zero import init_process
+
+    init_process(rank, world, port)
+    runs = {name: LayoutRun(name, args) for name in args.layouts}
+    losses = {name: [run.step() for _ in range(args.warmup)] for name, run in runs.items()}
+    for run in runs.values():
+        run.busy = run.schedule = 0.0
+    times = {name: [] for name in runs}
+    for _ in range(args.trials):
+        for name, run in runs.items():
+            dist.barrier()
+            start = time.perf_counter()
+            losses[name] += [run.step() for _ in range(args.steps)]
+            times[name].append(time.perf_counter() - start)
+    bubbles = {name: run.schedule and 1 - run.busy / run.schedule for name, run in runs.items()}
+    gathered = [None] * world
+    dist.all_gather_object(gathered, {"bubble": bubbles, "param_bytes": {n: r.param_bytes for n, r in runs.items()},
+                                      "losses": losses})
+    if rank == 0:
+        queue.put({"times": times, "ranks": gathered,
+                   "micro_batches": {n: r.micro_batches for n, r in runs.items()}})
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data-path", default=os.path.join(REPO, "data", "gpt2", "shakespeare"))
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--steps", type=int, default=2, help="steps per trial")
+    parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "parallel.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    result = spawn_workers(worker, (args,))[0]
+    seq = GPTConfig.from_json(os.path.join(REPO, "configs", "gpt2_cpu.json")).seq_length
+    tokens = args.steps * GLOBAL_BATCH * seq
+    base = args.layouts[0]
+    rows = {}
+    for name in args.layouts:
+        tp, pp, sp, micro = LAYOUTS[name]
+        per_trial = [tokens / t for t in result["times"][name]]
+        ranks = result["ranks"]
+        rows[name] = {
+            "tp": tp, "pp": pp, "sequence_parallel": sp, "micro_batch": micro,
+            "micro_batches": result["micro_batches"][name], "tokens_per_s": statistics.median(per_trial),
+            "trials": per_trial,
+            "ratio_to_" + base: statistics.median(b / t for b, t in zip(result["times"][base], result["times"][name])),
+            "param_mb_per_rank": [r["param_bytes"][name] / 2 ** 20 for r in ranks],
+            "first_loss": statistics.mean(r["losses"][name][0] for r in ranks),  # same model and data: equal
+        }
+        if pp > 1:
+            rows[name]["bubble_measured"] = statistics.mean(r["bubble"][name] for r in ranks)
+            rows[name]["bubble_1f1b"] = bubble_fraction(pp, result["micro_batches"][name])
+    print(f"recipe GPT (gpt2_cpu.json, vocab 8192), 2 gloo ranks x 1 thread, fp32, {GLOBAL_BATCH} x {seq} tokens/step,"
+          f" {args.trials} alternating trials of {args.steps} steps")
+    print(f"{'layout':<22}{'tokens/s':>10}{'vs ' + base:>9}{'param MB/rank':>15}{'bubble':>9}{'(p-1)/(m+p-1)':>15}"
+          f"{'first loss':>12}")
+    for row in rows.values():
+        label = f"TP{row['tp']} PP{row['pp']}" + (" SP" if row["sequence_parallel"] else "") + \
+            f" m={row['micro_batches']}"
+        bubble = f"{row['bubble_measured']:.3f}" if "bubble_measured" in row else "-"
+        formula = f"{row['bubble_1f1b']:.3f}" if "bubble_1f1b" in row else "-"
+        print(f"{label:<22}{row['tokens_per_s']:>10,.0f}{row['ratio_to_' + base]:>9.3f}"
+              f"{max(row['param_mb_per_rank']):>15.1f}{bubble:>9}{formula:>15}{row['first_loss']:>12.5f}")
+    print("m: micro-batches per step per data-parallel rank; bubble: 1 - (forward + backward time) / schedule time")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"benchmark": "parallel", "rows": rows}, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
