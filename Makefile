@@ -46,6 +46,7 @@ lint: install
 bench: install data
 	$(BIN)/python benchmarks/bench_zero.py $(ARGS)
 	$(BIN)/python benchmarks/bench_parallel.py
+	$(BIN)/python benchmarks/bench_activations.py
 
 clean:
 	rm -rf checkpoints runs wandb benchmarks/results .pytest_cache

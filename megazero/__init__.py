@@ -70,6 +70,12 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         set_seed(engine_config.seed)
     if grid is not None and grid.tensor_model_parallel_size > 1:
         model_parallel_seed(engine_config.seed if engine_config.seed is not None else 1234, grid.tp_rank)
+    if engine_config.activation_checkpointing is not None:
+        from dataclasses import asdict
+
+        from megazero import activation_checkpointing
+
+        activation_checkpointing.configure(mpu, **asdict(engine_config.activation_checkpointing))
     if engine_config.compute_dtype != torch.float32:
         model = model.to(engine_config.compute_dtype)
     groups = _param_groups(optimizer, model_parameters, model, engine_config)

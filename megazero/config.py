@@ -179,6 +179,24 @@ class FlopsProfilerConfig:
         _require(self.top_modules >= 1, f"'{where}top_modules' must be >= 1, got {self.top_modules}")
 
 
+@dataclass
+class ActivationCheckpointingConfig:
+    """`activation_checkpointing`: options of megazero.activation_checkpointing.configure (DeepSpeed's keys)."""
+
+    partition_activations: bool = False
+    cpu_checkpointing: bool = False
+    contiguous_memory_optimization: bool = False
+    number_checkpoints: int | None = None
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False
+
+    def validate(self, where: str) -> None:
+        _require(not self.contiguous_memory_optimization or self.partition_activations,
+                 f"'{where}contiguous_memory_optimization' needs '{where}partition_activations' (as in DeepSpeed)")
+        _require(not self.contiguous_memory_optimization or bool(self.number_checkpoints),
+                 f"'{where}contiguous_memory_optimization' needs '{where}number_checkpoints' (buffer slots)")
+
+
 OPTIMIZER_PARAMS: dict[str, set[str]] = {
     "adam": {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam", "amsgrad", "bias_correction"},
     "adamw": {"lr", "betas", "eps", "weight_decay", "torch_adam", "amsgrad", "bias_correction"},
@@ -242,6 +260,7 @@ class EngineConfig:
     tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     flops_profiler: FlopsProfilerConfig = field(default_factory=FlopsProfilerConfig)
+    activation_checkpointing: ActivationCheckpointingConfig | None = None
     seed: int | None = None
 
     @property
@@ -275,6 +294,7 @@ _SECTIONS = {
     "tensorboard": TensorBoardConfig,
     "wandb": WandbConfig,
     "flops_profiler": FlopsProfilerConfig,
+    "activation_checkpointing": ActivationCheckpointingConfig,
 }
 
 

@@ -22,6 +22,7 @@ from megazero.config import EngineConfig
 from megazero.monitor import Monitor
 from megazero.parallel_state import ParallelGrid
 from megazero.precision import LossScaler
+from megazero.profiling.memory import ActivationMeter
 from megazero.profiling.timers import Timers
 from megazero.tensor_parallel.utils import is_tensor_parallel
 
@@ -62,6 +63,7 @@ class Engine(torch.nn.Module):
         self.last_grad_norm: float | None = None
         self.last_step_overflowed = False
         self.last_flops_profile: str | None = None
+        self.last_activation_bytes = 0  # what the last forward kept for backward
         self._optimizer_unscales = (isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
                                     and bool(optimizer.defaults.get("fused")))
 
@@ -102,7 +104,9 @@ class Engine(torch.nn.Module):
             profiler = FlopsProfiler(self.module)
             profiler.start_profile()
         self.timers("forward").start()
-        out = self.module(*inputs, **kwargs)
+        with ActivationMeter() as meter:
+            out = self.module(*inputs, **kwargs)
+        self.last_activation_bytes = meter.bytes
         self.timers("forward").stop()
         if profiling:
             profiler.stop_profile()
@@ -221,7 +225,8 @@ class Engine(torch.nn.Module):
 
         grid, micro = self.grid, self.gradient_accumulation_steps()
         batches = [self.to_device(next(data_iter)) for _ in range(micro)]
-        links = StageLinks(grid.pp_ranks, grid.pp_rank, grid.pp_group, self.config.compute_dtype, self.device)
+        links = StageLinks(grid.pp_ranks, grid.pp_rank, grid.pp_group, self.config.compute_dtype, self.device,
+                           self.timers)
         losses = []
 
         def forward_step(m: int, received: torch.Tensor | None) -> torch.Tensor:
@@ -286,8 +291,9 @@ class Engine(torch.nn.Module):
             print(f"[megazero] step={self.global_steps} skipped={self.skipped_steps} lr=[{lrs}] "
                   f"loss_scale={self.loss_scaler.scale:g}", flush=True)
         if self.timers.enabled:
-            self.timers.log(["forward", "backward", "backward_reduce", "step", "optimizer"],
-                            group=None, rank=self.global_rank)
+            names = ["forward", "backward", "backward_reduce", "step", "optimizer"]
+            self.timers.log(names + (["pipe_send_recv"] if self.is_pipelined else []), group=None,
+                            rank=self.global_rank)
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds in parameters, gradients and optimizer states (and its RSS)."""

@@ -126,7 +126,7 @@ class CausalSelfAttention(nn.Module):
         batch, seq, _ = qkv.shape
         q, k, v = (t.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2) for t in qkv.chunk(3, dim=2))
         if self.recompute_core and torch.is_grad_enabled():  # selective recompute: only the attention core
-            y = checkpoint(self._core, q, k, v)
+            y = checkpoint(self._core, q, k, v, partitionable=False)  # per-rank heads: never split
         else:
             y = self._core(q, k, v)
         y = y.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim)
@@ -257,7 +257,10 @@ class GPT(nn.Module):
         layers = self.config.recompute_num_layers  # per pipeline stage, as in Megatron
         recompute = layers if layers is not None else len(self.blocks)
         for i, block in enumerate(self.blocks):
-            x = checkpoint(block, x) if full and i < recompute else block(x)
+            if full and i < recompute:  # a layer input is the same on every TP rank unless split by SP
+                x = checkpoint(block, x, partitionable=not self.config.sequence_parallel)
+            else:
+                x = block(x)
         return self.head(x, labels) if self.post_process else x
 
     @torch.no_grad()

@@ -17,10 +17,21 @@ _MAX_DIMS = 8
 class StageLinks:
     """This rank's previous and next stage (global ranks) in its pipeline, and the tensor dtype/device."""
 
-    def __init__(self, pp_ranks: list[int], pp_rank: int, group, dtype: torch.dtype, device: torch.device):
+    def __init__(self, pp_ranks: list[int], pp_rank: int, group, dtype: torch.dtype, device: torch.device,
+                 timers=None):
         self.prev = pp_ranks[pp_rank - 1] if pp_rank > 0 else None
         self.next = pp_ranks[pp_rank + 1] if pp_rank + 1 < len(pp_ranks) else None
         self.group, self.dtype, self.device = group, dtype, device
+        self.timer = timers("pipe_send_recv") if timers is not None else None  # time spent exchanging
+
+    def _timed(self, fn, *args):
+        if self.timer is None:
+            return fn(*args)
+        self.timer.start()
+        try:
+            return fn(*args)
+        finally:
+            self.timer.stop()
 
     def _header(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.dim() > _MAX_DIMS:
@@ -49,30 +60,30 @@ class StageLinks:
 
     def recv_forward(self) -> torch.Tensor:
         """The previous stage's output (this stage's input), as a leaf that will receive a gradient."""
-        return self._recv(self.prev).requires_grad_()
+        return self._timed(self._recv, self.prev).requires_grad_()
 
     def send_forward(self, output: torch.Tensor) -> None:
         """Send this stage's output to the next stage."""
-        self._wait(self._isend(output, self.next))
+        self._timed(lambda: self._wait(self._isend(output, self.next)))
 
     def recv_backward(self) -> torch.Tensor:
         """The gradient of this stage's output, from the next stage."""
-        return self._recv(self.next)
+        return self._timed(self._recv, self.next)
 
     def send_backward(self, input_grad: torch.Tensor) -> None:
         """Send the gradient of this stage's input to the previous stage."""
-        self._wait(self._isend(input_grad, self.prev))
+        self._timed(lambda: self._wait(self._isend(input_grad, self.prev)))
 
     def send_forward_recv_backward(self, output: torch.Tensor) -> torch.Tensor:
         """Send the output on while receiving the gradient of an earlier output."""
-        works = self._isend(output, self.next)
-        grad = self._recv(self.next)
-        self._wait(works)
-        return grad
+        return self._timed(self._exchange, output, self.next)
 
     def send_backward_recv_forward(self, input_grad: torch.Tensor) -> torch.Tensor:
         """Send an input gradient back while receiving the next input."""
-        works = self._isend(input_grad, self.prev)
-        received = self._recv(self.prev).requires_grad_()
+        return self._timed(self._exchange, input_grad, self.prev).requires_grad_()
+
+    def _exchange(self, tensor: torch.Tensor, peer: int) -> torch.Tensor:
+        works = self._isend(tensor, peer)  # posted before the receive: neighbours never wait on each other
+        received = self._recv(peer)
         self._wait(works)
         return received

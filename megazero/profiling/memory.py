@@ -75,9 +75,55 @@ def current_rss_bytes() -> int:
         return 0
 
 
+class ActivationMeter:
+    """Counts the bytes a forward keeps for backward: every tensor autograd saves (parameters
+    excluded) and every input an activation checkpoint keeps for its recompute, each storage once.
+
+        with ActivationMeter() as meter:
+            loss = model(batch)
+        meter.bytes
+    """
+
+    _active: list[ActivationMeter] = []
+
+    def __init__(self):
+        self.bytes = 0
+        self._seen: set[int] = set()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def add(self, t: torch.Tensor) -> None:
+        """Count `t`'s storage unless already counted (or a parameter's)."""
+        if isinstance(t, torch.nn.Parameter) or t.numel() == 0 or t.device.type == "meta":
+            return
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self._seen:
+            self._seen.add(storage.data_ptr())
+            self.bytes += storage.nbytes()
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.add(t)
+        return t
+
+    def __enter__(self) -> ActivationMeter:
+        self._hooks.__enter__()
+        ActivationMeter._active.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        ActivationMeter._active.remove(self)
+        self._hooks.__exit__(*exc)
+        self._seen = set()
+
+
+def record_activation(t: torch.Tensor) -> None:
+    """Tell the active meter (if any) that `t` is kept for backward outside autograd's saved tensors."""
+    for meter in ActivationMeter._active:
+        meter.add(t)
+
+
 def engine_memory_report(engine) -> dict[str, int]:
-    """Bytes this rank holds now in parameters, gradients and optimizer states, plus RSS (and CUDA
-    allocator figures on GPUs)."""
+    """Bytes this rank holds now in parameters, gradients and optimizer states, the activations the
+    last forward kept for backward, plus RSS (and CUDA allocator figures on GPUs)."""
     held = engine.dp.memory_tensors()
     optimizer = list(held["optimizer"])
     for state in engine.optimizer.state.values():
@@ -85,6 +131,7 @@ def engine_memory_report(engine) -> dict[str, int]:
     report = {"parameters": tensor_bytes(held["parameters"]), "gradients": tensor_bytes(held["gradients"]),
               "optimizer_states": tensor_bytes(optimizer), "rss": current_rss_bytes()}
     report["total"] = report["parameters"] + report["gradients"] + report["optimizer_states"]
+    report["activations"] = engine.last_activation_bytes
     if torch.cuda.is_available():
         report["cuda_allocated"] = torch.cuda.memory_allocated()
         report["cuda_peak"] = torch.cuda.max_memory_allocated()

@@ -9,6 +9,8 @@ all-reduces), which is ~1e-7 relative per step.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -116,3 +118,24 @@ def _init_grid(tp: int, pp: int):
     from megazero.parallel_state import initialize_model_parallel
 
     initialize_model_parallel(tp, pp)
+
+
+def _timer_lines(prefix: str) -> str:
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        train(_config(1, 2, wall_clock_breakdown=True, steps_per_print=2), prefix, 2, 0, None, None, None, None,
+              (1, 2))
+    return out.getvalue()
+
+
+def test_wall_clock_breakdown_includes_pipeline_exchange(pools, token_dataset_prefix_module):
+    printed = pools(2).run(_timer_lines, token_dataset_prefix_module)[0]  # rank 0 prints
+    line = next(x for x in printed.splitlines() if "time per call" in x)
+    for phase in ("forward", "backward", "backward_reduce", "step", "optimizer", "pipe_send_recv"):
+        match = re.search(rf"{phase}: ([0-9.]+) ms \(min ([0-9.]+), max ([0-9.]+)\)", line)
+        assert match, (phase, line)
+        _, low, high = map(float, match.groups())
+        assert low <= high and (phase == "backward_reduce" or high > 0), (phase, line)

@@ -45,6 +45,3 @@ def test_dropout_is_really_on():
     assert not all(torch.equal(reference[n], p.grad) for n, p in model.named_parameters())
 
 
-def test_unsupported_options_are_refused():
-    with pytest.raises(NotImplementedError, match="partition_activations"):
-        ac.configure(partition_activations=True)
