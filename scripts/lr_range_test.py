@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import pretrain_gpt  # noqa: E402  (the recipe's builders: model, data, engine config)
 
 import megazero  # noqa: E402
+from megazero import parallel_state  # noqa: E402
 from megazero.data import GPTDataset, IndexedDataset, SentencePieceTokenizer  # noqa: E402
 
 
@@ -80,9 +81,11 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     own, args = parse_args(argv)
     megazero.init_distributed()
+    grid = parallel_state.initialize_model_parallel(args.tensor_model_parallel_size,
+                                                    args.pipeline_model_parallel_size)
     megazero.set_seed(args.seed)
     tokenizer = SentencePieceTokenizer(args.tokenizer_model)
-    model = pretrain_gpt.build_model(args, tokenizer.vocab_size)
+    model = pretrain_gpt.build_model(args, tokenizer.vocab_size, grid)
     train = GPTDataset(IndexedDataset(args.data_path + "_train_text_document"), model.config.seq_length,
                        seed=args.seed)
     config = pretrain_gpt.engine_config(args)
@@ -91,7 +94,7 @@ def main(argv=None) -> dict:
         "lr_range_test_min_lr": own.min_lr, "lr_range_test_step_size": 1,
         "lr_range_test_step_rate": (own.max_lr / own.min_lr - 1) / max(own.steps - 1, 1)}}
     engine, _, loader, _ = megazero.initialize(model=model, model_parameters=pretrain_gpt.param_groups(model),
-                                               training_data=train, config=config)
+                                               training_data=train, config=config, mpu=parallel_state)
     data = iter(loader)
     lrs, losses = [], []
     for _ in range(own.steps):
