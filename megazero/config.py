@@ -201,13 +201,14 @@ OPTIMIZER_PARAMS: dict[str, set[str]] = {
     "adam": {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam", "amsgrad", "bias_correction"},
     "adamw": {"lr", "betas", "eps", "weight_decay", "torch_adam", "amsgrad", "bias_correction"},
     "sgd": {"lr", "momentum", "dampening", "weight_decay", "nesterov"},
-    "lamb": {"lr", "betas", "eps", "weight_decay", "bias_correction", "max_coeff", "min_coeff"},
+    "lamb": {"lr", "betas", "eps", "weight_decay", "bias_correction", "max_coeff", "min_coeff", "torch_adam"},
+    "adagrad": {"lr", "lr_decay", "eps", "weight_decay", "initial_accumulator_value", "torch_adam"},
 }
 
 
 @dataclass
 class OptimizerConfig:
-    """`optimizer`: {"type": Adam | AdamW | SGD | Lamb, "params": {...}} (type is case-insensitive)."""
+    """`optimizer`: {"type": Adam | AdamW | SGD | Lamb | Adagrad, "params": {...}} (type is case-insensitive)."""
 
     type: str = "AdamW"
     params: dict = field(default_factory=dict)
@@ -216,7 +217,7 @@ class OptimizerConfig:
         kind = self.type.lower()
         _require(kind in OPTIMIZER_PARAMS,
                  f"'{where}type' {self.type!r} is not supported{_suggest(kind, OPTIMIZER_PARAMS)}; "
-                 f"choose one of Adam, AdamW, SGD, Lamb")
+                 f"choose one of Adam, AdamW, SGD, Lamb, Adagrad")
         check_known_keys(self.params, OPTIMIZER_PARAMS[kind], f"{where}params.")
         if "lr" in self.params:
             _check_type(self.params["lr"], float, f"{where}params.lr")

@@ -64,8 +64,16 @@ class Engine(torch.nn.Module):
         self.last_step_overflowed = False
         self.last_flops_profile: str | None = None
         self.last_activation_bytes = 0  # what the last forward kept for backward
-        self._optimizer_unscales = (isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
-                                    and bool(optimizer.defaults.get("fused")))
+        # unscale/clip inside the optimizer's own pass: torch's fused Adam, megazero's CPU ops
+        self._optimizer_unscales = getattr(optimizer, "supports_grad_scale", False) or (
+            isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and bool(optimizer.defaults.get("fused")))
+        # megazero's CPU ops also write the 16-bit model copy while updating each master
+        self._optimizer_writes_copies = False
+        targets = dp_state.copy_targets() if hasattr(optimizer, "set_copy_targets") else {}
+        masters = [p for group in optimizer.param_groups for p in group["params"]]
+        if targets and all(id(p) in targets for p in masters):  # all or nothing: update_model skips the cast
+            optimizer.set_copy_targets(targets)
+            self._optimizer_writes_copies = True
 
     # ---- DeepSpeed's getters -------------------------------------------------------------
     def train_batch_size(self) -> int:
@@ -173,7 +181,7 @@ class Engine(torch.nn.Module):
         self.optimizer.step()
         self.optimizer.grad_scale = None
         self.dp.detach_grads()
-        self.dp.update_model()
+        self.dp.update_model(copies_written=self._optimizer_writes_copies)
         self.timers("optimizer").stop()
         self.dp.start_window()
         if self.lr_scheduler is not None:

@@ -17,23 +17,45 @@ def _fused_ok(params: list) -> bool:
     return len(devices) == 1 and devices <= {"cpu", "cuda"} and all(t.is_floating_point() for t in tensors)
 
 
+def _on_cpu(params: list) -> bool:
+    tensors = [p for group in params for p in (group["params"] if isinstance(group, dict) else [group])]
+    return bool(tensors) and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+
+
+def _cpu_op_available() -> bool:
+    from megazero.ops.cpu_optimizers import cpu_optimizers_op
+
+    return cpu_optimizers_op() is not None
+
+
 def build_optimizer(config: OptimizerConfig, params: Iterable) -> torch.optim.Optimizer:
-    """Adam (DeepSpeed default adam_w_mode=True: decoupled weight decay), AdamW, SGD or Lamb."""
+    """Adam (DeepSpeed default adam_w_mode=True: decoupled weight decay), AdamW, SGD, Lamb or Adagrad.
+
+    On CPU (fp32 masters) Adam/AdamW/Lamb/Adagrad use megazero's fused C++ op (one pass: unscale,
+    update, 16-bit copy) unless `torch_adam: true`; where the op cannot be built, torch's fused
+    Adam (and the pure-torch Lamb/Adagrad) run instead.
+    """
+    from megazero.ops.cpu_optimizers import FusedCPUAdagrad, FusedCPUAdam, FusedCPULamb
+
     params = list(params)
     kwargs = dict(config.params)
     kind = config.type.lower()
+    if "betas" in kwargs:
+        kwargs["betas"] = tuple(kwargs["betas"])
+    torch_only = kwargs.pop("torch_adam", False)
+    use_op = not torch_only and _on_cpu(params) and _cpu_op_available()
     if kind in ("adam", "adamw"):
         decoupled = kwargs.pop("adam_w_mode", True) if kind == "adam" else True
-        kwargs.pop("torch_adam", None)  # torch's implementation is the only one so far
         if not kwargs.pop("bias_correction", True):
             raise ValueError("optimizer.params.bias_correction=false is only supported by Lamb")
-        if "betas" in kwargs:
-            kwargs["betas"] = tuple(kwargs["betas"])
-        cls = torch.optim.AdamW if decoupled else torch.optim.Adam
         kwargs.setdefault("weight_decay", 0.0)  # DeepSpeed's default (torch's AdamW would use 0.01)
+        if use_op and not kwargs.get("amsgrad", False):
+            kwargs.pop("amsgrad", None)
+            return FusedCPUAdam(params, adamw_mode=decoupled, **kwargs)
+        cls = torch.optim.AdamW if decoupled else torch.optim.Adam
         return cls(params, fused=_fused_ok(params), **kwargs)
     if kind == "sgd":
         return torch.optim.SGD(params, **kwargs)
-    if "betas" in kwargs:
-        kwargs["betas"] = tuple(kwargs["betas"])
-    return Lamb(params, **kwargs)
+    if kind == "adagrad":
+        return FusedCPUAdagrad(params, **kwargs) if use_op else torch.optim.Adagrad(params, **kwargs)
+    return FusedCPULamb(params, **kwargs) if use_op else Lamb(params, **kwargs)

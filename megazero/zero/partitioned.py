@@ -66,12 +66,20 @@ class _GroupPartition:
         mine = tensor.view(self.world_size, -1)[self.rank]
         return Handle([inner], lambda: self.grad_views[bucket.index].add_(mine))
 
-    def gather_params(self) -> list[Handle]:
-        """Cast the master chunks into the flat parameters and start the all-gather of every bucket."""
+    def copy_targets(self) -> dict[int, torch.Tensor]:
+        """{id(master chunk): this rank's 16-bit chunk of the flat parameters} (empty when aliased)."""
+        if self.aliased:
+            return {}
+        return {id(m): self.flat_params[slice(*self.layout.rank_range(b, self.rank))]
+                for b, m in zip(self.layout.buckets, self.masters)}
+
+    def gather_params(self, copies_written: bool = False) -> list[Handle]:
+        """Cast the master chunks into the flat parameters (unless the optimizer already wrote them)
+        and start the all-gather of every bucket."""
         handles = []
         with torch.no_grad():
             for b, master in zip(self.layout.buckets, self.masters):
-                if not self.aliased:
+                if not self.aliased and not copies_written:
                     self.flat_params[slice(*self.layout.rank_range(b, self.rank))].copy_(master)
                 handles.append(all_gather_chunks(self.flat_params[b.start:b.start + b.numel], self.group))
         return handles
@@ -125,9 +133,13 @@ class PartitionedState(MasterPartitions):
         for part in self.parts:
             part.grads.finish_reduction()
 
-    def update_model(self) -> None:
+    def copy_targets(self) -> dict[int, torch.Tensor]:
+        """{id(master): 16-bit tensor} the optimizer may write in its update pass."""
+        return {k: v for part in self.parts for k, v in part.copy_targets().items()}
+
+    def update_model(self, copies_written: bool = False) -> None:
         """All-gather the updated parameters into every rank's model."""
-        handles = [h for part in self.parts for h in part.gather_params()]
+        handles = [h for part in self.parts for h in part.gather_params(copies_written)]
         for handle in handles:
             handle.wait()
 

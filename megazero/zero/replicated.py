@@ -78,9 +78,16 @@ class ReplicatedState:
         """Drop the gradient views from the master weights."""
         self.master.detach_grads()
 
-    def update_model(self) -> None:
-        """Write the updated master weights into the model."""
-        self.master.copy_to_model()
+    def copy_targets(self) -> dict[int, torch.Tensor]:
+        """{id(master): the 16-bit model tensor it is cast into} (empty for an fp32 model)."""
+        if not all(p.dtype in (torch.bfloat16, torch.float16) for p in self.master.model_params):
+            return {}
+        return {id(m): p.data for m, p in zip(self.master.params, self.master.model_params)}
+
+    def update_model(self, copies_written: bool = False) -> None:
+        """Write the updated master weights into the model (unless the optimizer already did)."""
+        if not copies_written:
+            self.master.copy_to_model()
 
     def reset_masters(self) -> None:
         """Re-read the master weights from the model (after loading model weights only)."""

@@ -251,11 +251,16 @@ class ShardedState(MasterPartitions):
             unit.release()
         self._trace_done = True
 
-    def update_model(self) -> None:
-        """Cast the masters into the parameter shards; re-gather the persistent ones."""
+    def copy_targets(self) -> dict[int, torch.Tensor]:
+        """{id(master): its 16-bit parameter shard} the optimizer may write in its update pass."""
+        return {id(s.master): s.shard for s in self.parts if not s.aliased}
+
+    def update_model(self, copies_written: bool = False) -> None:
+        """Cast the masters into the parameter shards (unless the optimizer already did); re-gather
+        the persistent ones."""
         with torch.no_grad():
             for s in self.parts:
-                if not s.aliased:
+                if not s.aliased and not copies_written:
                     s.shard.copy_(s.master)
         handles = [s.start_gather() for s in self.parts if s.persistent]
         for h in handles:

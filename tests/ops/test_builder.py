@@ -1,0 +1,60 @@
+"""The op builder: cache keys follow the sources, a broken op falls back with one warning (or
+raises under MEGAZERO_OPS_STRICT=1), CUDA ops are skipped with a reason on a CPU build of torch,
+and `python -m megazero.ops report` says where each op stands."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megazero.ops import builder
+from tests.conftest import REPO
+
+
+@pytest.fixture()
+def broken_op(tmp_path, monkeypatch):
+    source = tmp_path / "broken.cpp"
+    source.write_text("this is not C++;\n")
+    monkeypatch.setitem(builder.SPECS, "broken", builder.OpSpec("broken", [str(source)]))
+    monkeypatch.setenv("MEGAZERO_OPS_CACHE", str(tmp_path / "cache"))
+    builder._failed.pop("broken", None)
+    yield source
+    builder._failed.pop("broken", None)
+
+
+def test_cache_key_changes_with_the_sources(broken_op):
+    spec = builder.SPECS["broken"]
+    before = builder.build_key(spec)
+    broken_op.write_text(broken_op.read_text() + "// edited\n")
+    assert builder.build_key(spec) != before
+    assert builder.build_dir(spec).endswith(builder.build_key(spec))
+
+
+def test_failed_build_falls_back_with_a_warning(broken_op, monkeypatch):
+    monkeypatch.delenv("MEGAZERO_OPS_STRICT", raising=False)
+    with pytest.warns(UserWarning, match="megazero op 'broken' unavailable.*pure-torch reference"):
+        assert builder.load_op("broken") is None
+    assert builder.load_op("broken") is None  # remembered: no second build, no second warning
+    report = builder.status("broken")
+    assert report["fallback"] and not report["loaded"] and report["why"]
+
+
+def test_strict_mode_raises(broken_op, monkeypatch):
+    monkeypatch.setenv("MEGAZERO_OPS_STRICT", "1")
+    with pytest.raises(RuntimeError, match="could not be built"):
+        builder.load_op("broken")
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="checks the CPU build of torch")
+def test_cuda_ops_are_incompatible_on_cpu_torch():
+    assert "CPU build" in builder.SPECS["cuda_kernels"].incompatible()
+
+
+def test_report_command():
+    out = subprocess.run([sys.executable, "-m", "megazero.ops", "report"], capture_output=True, text=True, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": REPO}, check=True).stdout
+    assert "cpu_optimizers" in out and "cuda_kernels" in out and "compatible" in out
