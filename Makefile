@@ -47,6 +47,7 @@ bench: install data
 	$(BIN)/python benchmarks/bench_zero.py $(ARGS)
 	$(BIN)/python benchmarks/bench_parallel.py
 	$(BIN)/python benchmarks/bench_activations.py
+	$(BIN)/python benchmarks/bench_cpu_adam.py
 
 clean:
 	rm -rf checkpoints runs wandb benchmarks/results .pytest_cache

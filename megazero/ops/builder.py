@@ -33,7 +33,8 @@ class OpSpec:
     sources: list[str]
     cuda: bool = False
     # no FMA contraction: the kernels round each operation as torch's separate ops do
-    cflags: list[str] = field(default_factory=lambda: ["-O3", "-fopenmp", "-std=c++17", "-ffp-contract=off"])
+    cflags: list[str] = field(default_factory=lambda: ["-O3", "-fopenmp", "-std=c++17", "-ffp-contract=off",
+                                                                  "-fno-math-errno"])
     ldflags: list[str] = field(default_factory=lambda: ["-fopenmp"])
     cuda_cflags: list[str] = field(default_factory=lambda: ["-O3", "--use_fast_math"])
 

@@ -15,6 +15,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <string>
 #include <vector>
 
@@ -33,17 +35,39 @@ Isa detect_isa() {
 
 const Isa kIsa = detect_isa();
 
-template <typename T>
-inline float load_float(const T* p, int64_t i) { return static_cast<float>(p[i]); }
+inline float load_float(const float* p, int64_t i) { return p[i]; }
 
-template <typename T>
-inline void store_from_float(T* p, int64_t i, float v) { p[i] = static_cast<T>(v); }
+inline float load_float(const c10::BFloat16* p, int64_t i) {  // exact: bf16 is the top half of an fp32
+  const uint32_t bits = static_cast<uint32_t>(p[i].x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// fp32 -> bf16 with round-to-nearest-even and torch's NaN (0x7FC0), branch-free so it vectorises
+inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  const uint16_t rounded = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? static_cast<uint16_t>(0x7FC0) : rounded;
+}
+
+// The 16-bit working copy of a block just updated (still in cache): no extra pass over memory.
+template <typename O>
+__attribute__((always_inline)) inline void write_copy_body(const float* __restrict p, O* __restrict out, int64_t n) {
+  if constexpr (std::is_same_v<O, c10::BFloat16>) {
+    uint16_t* bits = reinterpret_cast<uint16_t*>(out);
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) bits[i] = bf16_bits(p[i]);
+  } else {
+    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<O>(p[i]);
+  }
+}
 
 // Constants are computed in double on the host and rounded once, as torch does with Python
 // scalars, and the arithmetic follows torch's operation order (built with -ffp-contract=off).
 struct AdamArgs {
-  float one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, decay, neg_step_size, bias2_sqrt, grad_scale;
-  bool adamw;
+  float one_minus_beta1, beta2, one_minus_beta2, eps, l2, decay, neg_step_size, inv_bias2_sqrt, inv_grad_scale;
 };
 
 // ---- Adam ----------------------------------------------------------------------------------
@@ -53,18 +77,18 @@ __attribute__((always_inline)) inline void adam_body(float* __restrict p, const 
                                                      int64_t n, const AdamArgs& a) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    float grad = load_float(g, i) / a.grad_scale;
+    float grad = load_float(g, i) * a.inv_grad_scale;  // exact when the scale is 1
     float w = p[i];
-    if (!a.adamw) grad = grad + a.weight_decay * w;
+    grad = grad + a.l2 * w;  // Adam's L2 term (0 in AdamW mode)
     const float mi = m[i] + a.one_minus_beta1 * (grad - m[i]);  // lerp
     const float vi = v[i] * a.beta2 + a.one_minus_beta2 * grad * grad;
-    if (a.adamw) w = w * a.decay;
-    w = w + a.neg_step_size * (mi / (std::sqrt(vi) / a.bias2_sqrt + a.eps));
+    w = w * a.decay;  // AdamW's decoupled decay (1 in Adam mode)
+    w = w + a.neg_step_size * (mi / (std::sqrt(vi) * a.inv_bias2_sqrt + a.eps));
     m[i] = mi;
     v[i] = vi;
     p[i] = w;
-    if (out != nullptr) store_from_float(out, i, w);
   }
+  if (out != nullptr) write_copy_body(p, out, n);
 }
 
 #define MEGAZERO_VARIANTS(NAME, BODY, PARAMS, ARGS)                                                        \
@@ -171,10 +195,9 @@ __attribute__((always_inline)) inline void lamb_apply_body(float* __restrict p, 
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     const float u = (m[i] / a.bias1) / (std::sqrt(v[i] / a.bias2) + a.eps) + a.weight_decay * p[i];
-    const float w = p[i] - scaled_lr * u;
-    p[i] = w;
-    if (out != nullptr) store_from_float(out, i, w);
+    p[i] = p[i] - scaled_lr * u;
   }
+  if (out != nullptr) write_copy_body(p, out, n);
 }
 
 MEGAZERO_VARIANTS(lamb_moments, lamb_moments_body,
@@ -229,8 +252,8 @@ __attribute__((always_inline)) inline void adagrad_body(float* __restrict p, con
     w = w + a.neg_clr * (grad / (std::sqrt(si) + a.eps));
     s[i] = si;
     p[i] = w;
-    if (out != nullptr) store_from_float(out, i, w);
   }
+  if (out != nullptr) write_copy_body(p, out, n);
 }
 
 MEGAZERO_VARIANTS(adagrad_block, adagrad_body,
@@ -281,9 +304,9 @@ void adam_step(std::vector<at::Tensor> params, std::vector<at::Tensor> grads, st
   const double bias1 = bias_correction ? 1.0 - std::pow(beta1, static_cast<double>(step)) : 1.0;
   const double bias2 = bias_correction ? 1.0 - std::pow(beta2, static_cast<double>(step)) : 1.0;
   const AdamArgs a{static_cast<float>(1.0 - beta1), static_cast<float>(beta2), static_cast<float>(1.0 - beta2),
-                   static_cast<float>(eps), static_cast<float>(weight_decay),
-                   static_cast<float>(1.0 - lr * weight_decay), static_cast<float>(-lr / bias1),
-                   static_cast<float>(std::sqrt(bias2)), static_cast<float>(grad_scale), adamw};
+                   static_cast<float>(eps), static_cast<float>(adamw ? 0.0 : weight_decay),
+                   static_cast<float>(adamw ? 1.0 - lr * weight_decay : 1.0), static_cast<float>(-lr / bias1),
+                   static_cast<float>(1.0 / std::sqrt(bias2)), static_cast<float>(1.0 / grad_scale)};
   for (size_t t = 0; t < params.size(); ++t) {
     check_master(params[t], "parameter");
     check_like(grads[t], params[t], "gradient");
@@ -355,6 +378,29 @@ std::tuple<double, bool> grad_norm_squared(std::vector<at::Tensor> grads) {
   return {total, !std::isfinite(total)};
 }
 
+namespace {
+template <typename G, typename O>
+__attribute__((always_inline)) inline void axpy_body(float* __restrict y, const G* __restrict x, O*, int64_t n,
+                                                     float alpha) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] = y[i] + alpha * load_float(x, i);
+}
+MEGAZERO_VARIANTS(axpy_block, axpy_body, (float* y, const G* x, O* unused, int64_t n, float alpha),
+                  (y, x, unused, n, alpha))
+}  // namespace
+
+// y += alpha * x in place (12 bytes per element): the memory-bandwidth probe of the benchmarks.
+void axpy(at::Tensor y, at::Tensor x, double alpha) {
+  check_master(y, "y");
+  check_master(x, "x");
+  TORCH_CHECK(x.numel() == y.numel(), "x and y differ in size");
+  float* yp = y.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  for_blocks(y.numel(), [&](int64_t begin, int64_t len) {
+    axpy_block<float, float>(yp + begin, xp + begin, nullptr, len, static_cast<float>(alpha));
+  });
+}
+
 std::string isa() {
   return kIsa == Isa::kAvx512 ? "avx512" : kIsa == Isa::kAvx2 ? "avx2" : "generic";
 }
@@ -364,5 +410,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lamb_step", &lamb_step, "LAMB step (trust ratio per tensor)");
   m.def("adagrad_step", &adagrad_step, "Adagrad step");
   m.def("grad_norm_squared", &grad_norm_squared, "sum of squared gradients and an inf/nan flag");
+  m.def("axpy", &axpy, "y += alpha * x (bandwidth probe)");
   m.def("isa", &isa, "the vector instruction set chosen at run time");
 }
