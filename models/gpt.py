@@ -117,14 +117,22 @@ class CausalSelfAttention(nn.Module):
         self.recompute_core = config.recompute_granularity == "selective"
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        past = k.shape[2] - q.shape[2]  # keys cached from earlier steps (generation)
+        mask = None
+        if past and q.shape[2] > 1:  # query i sees the cache and the first i + 1 new keys
+            mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(diagonal=past)
         with get_rng_tracker().fork():  # attention dropout differs between the TP ranks' heads
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=past == 0,
                                                   dropout_p=self.dropout if self.training else 0.0)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache: dict | None = None) -> torch.Tensor:
         qkv = self.qkv(x)  # [batch, seq, 3 * local heads * head_dim] (the full sequence under SP)
         batch, seq, _ = qkv.shape
         q, k, v = (t.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2) for t in qkv.chunk(3, dim=2))
+        if kv_cache is not None:  # generation: attend to the cached keys/values too, then cache these
+            if "k" in kv_cache:
+                k, v = torch.cat([kv_cache["k"], k], dim=2), torch.cat([kv_cache["v"], v], dim=2)
+            kv_cache["k"], kv_cache["v"] = k, v
         if self.recompute_core and torch.is_grad_enabled():  # selective recompute: only the attention core
             y = checkpoint(self._core, q, k, v, partitionable=False)  # per-rank heads: never split
         else:
@@ -169,8 +177,8 @@ class Block(nn.Module):
         with get_rng_tracker().fork() if self.sequence_parallel else contextlib.nullcontext():
             return F.dropout(x, self.dropout, True)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self._dropout(self.attn(self.ln_1(x)))
+    def forward(self, x: torch.Tensor, kv_cache: dict | None = None) -> torch.Tensor:
+        x = x + self._dropout(self.attn(self.ln_1(x), kv_cache))
         return x + self._dropout(self.mlp(self.ln_2(x)))
 
 
@@ -223,12 +231,12 @@ class GPT(nn.Module):
             return f"blocks.{self.layers[int(index)]}.{rest}"
         return name
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, first_position: int = 0) -> torch.Tensor:
         """Token + position embeddings, with dropout (split along the sequence under SP)."""
-        seq = input_ids.shape[1]
-        if seq > self.config.seq_length:
-            raise ValueError(f"sequence of {seq} tokens is longer than seq_length {self.config.seq_length}")
-        x = self.wte(input_ids) + self.wpe(torch.arange(seq, device=input_ids.device))
+        end = first_position + input_ids.shape[1]
+        if end > self.config.seq_length:
+            raise ValueError(f"sequence of {end} tokens is longer than seq_length {self.config.seq_length}")
+        x = self.wte(input_ids) + self.wpe(torch.arange(first_position, end, device=input_ids.device))
         if self.config.sequence_parallel:
             x = tp.scatter_to_sequence_parallel_region(x, self.tp_group)
         if not (self.training and self.config.dropout):
@@ -251,7 +259,16 @@ class GPT(nn.Module):
         return tp.vocab_parallel_cross_entropy(logits, labels, self.tp_group).mean()
 
     def forward(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+                hidden_states: torch.Tensor | None = None, kv_cache: list[dict] | None = None) -> torch.Tensor:
+        """Loss given labels, else logits; a stage without the head returns hidden states.
+        kv_cache: one dict per layer, filled by the first call and extended by each later one
+        (generation: later calls pass only the new tokens)."""
+        if kv_cache is not None:
+            past = kv_cache[0]["k"].shape[2] if "k" in kv_cache[0] else 0
+            x = self.embed(input_ids, past)
+            for block, cache in zip(self.blocks, kv_cache):
+                x = block(x, cache)
+            return self.head(x, labels)
         x = self.embed(input_ids) if self.pre_process else hidden_states
         full = self.config.recompute_granularity == "full" and torch.is_grad_enabled()
         layers = self.config.recompute_num_layers  # per pipeline stage, as in Megatron
@@ -265,25 +282,49 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None, vocab_size: int | None = None) -> torch.Tensor:
-        """Sample continuations (greedy when temperature == 0); padding ids are never sampled."""
+                 top_k: int | None = None, top_p: float | None = None, vocab_size: int | None = None,
+                 use_kv_cache: bool = True) -> torch.Tensor:
+        """Continue `input_ids` by max_new_tokens tokens: greedy when temperature == 0, else sampled
+        (top-k and/or nucleus top-p); padding ids are never produced. With the KV cache each step
+        feeds only the new token; once the text outgrows seq_length, the window slides and the whole
+        window is recomputed, exactly as without the cache."""
         vocab_size = vocab_size or self.config.vocab_size
+        cache = None
         for _ in range(max_new_tokens):
-            context = input_ids[:, -self.config.seq_length:]
-            length = context.shape[1]
-            if self.config.sequence_parallel:  # the sequence must split evenly: pad at the end (causal: unseen)
-                context = F.pad(context, (0, -length % self.config.tensor_model_parallel_size))
-            logits = self(context)[:, length - 1, :vocab_size].float()
-            if temperature == 0:
-                next_id = logits.argmax(dim=-1, keepdim=True)
+            if use_kv_cache and not self.config.sequence_parallel and input_ids.shape[1] <= self.config.seq_length:
+                if cache is None:
+                    cache = [{} for _ in self.blocks]
+                    logits = self(input_ids, kv_cache=cache)[:, -1]
+                else:
+                    logits = self(input_ids[:, -1:], kv_cache=cache)[:, -1]
             else:
-                logits = logits / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                next_id = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
-            input_ids = torch.cat([input_ids, next_id], dim=1)
+                logits = self._window_logits(input_ids)
+            input_ids = torch.cat([input_ids, self._next_token(logits[:, :vocab_size].float(), temperature, top_k,
+                                                               top_p)], dim=1)
         return input_ids
+
+    def _window_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits after the last seq_length tokens, recomputed from scratch."""
+        context = input_ids[:, -self.config.seq_length:]
+        length = context.shape[1]
+        if self.config.sequence_parallel:  # the sequence must split evenly: pad at the end (causal: unseen)
+            context = F.pad(context, (0, -length % self.config.tensor_model_parallel_size))
+        return self(context)[:, length - 1]
+
+    @staticmethod
+    def _next_token(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:
+        if temperature == 0:
+            return logits.argmax(dim=-1, keepdim=True)
+        logits = logits / temperature
+        if top_k is not None:
+            kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if top_p is not None:
+            sorted_logits, order = torch.sort(logits, descending=True)
+            cumulative = F.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+            drop = cumulative - F.softmax(sorted_logits, dim=-1) >= top_p  # keep the smallest set reaching top_p
+            logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+        return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
 
 
 def stage_layers(config: GPTConfig, num_stages: int) -> list[range]:

@@ -186,6 +186,9 @@ def load_engine_checkpoint(engine, load_dir, tag: str | None, load_optimizer_sta
     mine = layout_of(engine)
     state = _read_model_state(path, model_name if os.path.isfile(os.path.join(path, model_name))
                               else _any_model_file(path))
+    if state.get("weights_only"):  # imported weights (scripts/import_hf.py): the rest starts afresh
+        apply_parameter_states(engine, read_parameter_states(path), False, global_names(engine.module))
+        return path, state["client_state"]
     saved = saved_layout(state)
     # weights only: always per parameter (the ZeRO-3 module file holds no parameters)
     same = (all(saved[k] == mine[k] for k in ("tp", "pp", "dp", "zero_stage")) and not state.get("converted")

@@ -1,0 +1,63 @@
+"""A GPT from (or to) a megazero checkpoint of any layout, for the tools that run one process:
+generation, evaluation, Hugging Face export and import."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import torch
+
+from megazero.checkpoint.consolidate import consolidate_fp32_state_dict
+from megazero.checkpoint.convert import StageParameter, write_converted
+from megazero.checkpoint.engine_state import resolve_tag
+from megazero.checkpoint.io import CheckpointError, load_file
+from megazero.checkpoint.universal import ParameterStates
+from models.gpt import GPT, GPTConfig
+
+
+def saved_model_config(checkpoint_dir: str, tag: str | None = None) -> GPTConfig:
+    """The GPTConfig a checkpoint was trained with, as the single-process (TP = 1) model with the
+    same (padded) vocabulary."""
+    tag = resolve_tag(checkpoint_dir, tag)
+    if tag is None:
+        raise CheckpointError(f"{checkpoint_dir}: no 'latest' file and no tag given")
+    files = sorted(glob.glob(os.path.join(checkpoint_dir, tag, "mp_rank_*_model_states.pt")))
+    if not files:
+        raise CheckpointError(f"{checkpoint_dir}/{tag}: no mp_rank_*_model_states.pt file")
+    saved = load_file(files[0]).get("model_config")
+    if saved is None:
+        raise CheckpointError(f"{files[0]}: no model_config (not saved from a models.gpt.GPT)")
+    return GPTConfig(**{**saved, "tensor_model_parallel_size": 1, "sequence_parallel": False,
+                        "make_vocab_size_divisible_by": saved["make_vocab_size_divisible_by"]
+                        * saved.get("tensor_model_parallel_size", 1)})
+
+
+def load_gpt(checkpoint_dir: str, tag: str | None = None) -> GPT:
+    """The whole model from any checkpoint layout (TP shards joined, stages merged, fp32 masters)."""
+    config = saved_model_config(checkpoint_dir, tag)
+    with torch.device("meta"):
+        model = GPT(config)
+    model.load_state_dict(consolidate_fp32_state_dict(checkpoint_dir, tag), strict=True, assign=True)
+    return model.eval()
+
+
+def write_gpt_checkpoint(config: GPTConfig, state: dict[str, torch.Tensor], save_dir: str,
+                         tag: str = "global_step0") -> str:
+    """A weights-only megazero checkpoint (TP = PP = 1) that engines of any layout load, starting
+    their optimizer afresh (e.g. to continue training an imported model)."""
+    with torch.device("meta"):
+        model = GPT(config)
+    names = [name for name, _ in model.named_parameters()]
+    missing = sorted(set(names) - set(state))
+    if missing:
+        raise CheckpointError(f"state dict lacks {missing[:5]}")
+    weights = {name: state[name].float().contiguous() for name in names}
+    engine = {"format_version": 2, "global_steps": 0, "global_samples": 0, "micro_steps": 0, "skipped_steps": 0,
+              "lr_scheduler": None, "loss_scaler": None, "train_batch_size": None, "client_state": {},
+              "weights_only": True}
+    states = ParameterStates(weights=weights, optimizer={n: {} for n in names}, group_of={n: 0 for n in names},
+                             param_groups=[{}], module=dict(weights), engine=engine)
+    stage = [StageParameter(n, getattr(p, "partition_dim", None) if getattr(p, "tensor_model_parallel", False)
+                            else None, getattr(p, "partition_stride", 1)) for n, p in model.named_parameters()]
+    return write_converted(states, save_dir, tag, [stage], 1, config.to_dict())

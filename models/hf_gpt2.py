@@ -1,0 +1,84 @@
+"""Mapping between megazero's GPT (models/gpt.py) and Hugging Face transformers' GPT2LMHeadModel.
+
+Hugging Face's GPT-2 stores attention and MLP weights input-by-output (its `Conv1D`), so every
+linear weight is transposed; the fused attention projection keeps megazero's [Q; K; V] order; the
+output layer shares the word embedding (not stored separately). Both use tanh-approximated GeLU
+("gelu_new") and pre-LayerNorm blocks, so logits agree to float rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from models.gpt import GPTConfig
+
+_LINEARS = {"attn.qkv": "attn.c_attn", "attn.proj": "attn.c_proj", "mlp.fc": "mlp.c_fc", "mlp.proj": "mlp.c_proj"}
+_NORMS = {"ln_1": "ln_1", "ln_2": "ln_2"}
+
+
+def hf_config_dict(config: GPTConfig, bos_token_id: int, eos_token_id: int) -> dict:
+    """config.json of the equivalent GPT2LMHeadModel (vocabulary = megazero's padded one)."""
+    if config.ffn_hidden_size != 4 * config.hidden_size:
+        raise ValueError(f"GPT-2 needs ffn_hidden_size = 4 x hidden_size, got {config.ffn_hidden_size}")
+    vocab = config.padded_vocab_size
+    for name, token in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id)):
+        if not 0 <= token < vocab:
+            raise ValueError(f"{name} {token} is outside the vocabulary of {vocab}")
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": vocab,
+            "n_positions": config.seq_length, "n_embd": config.hidden_size, "n_layer": config.num_layers,
+            "n_head": config.num_attention_heads, "n_inner": None, "activation_function": "gelu_new",
+            "resid_pdrop": config.dropout, "embd_pdrop": config.dropout, "attn_pdrop": config.dropout,
+            "layer_norm_epsilon": config.layernorm_epsilon, "initializer_range": 0.02, "scale_attn_weights": True,
+            "use_cache": True, "tie_word_embeddings": True, "bos_token_id": bos_token_id,
+            "eos_token_id": eos_token_id, "torch_dtype": "float32",
+            "megazero_config": {**config.to_dict(), "tensor_model_parallel_size": 1, "sequence_parallel": False,
+                                "make_vocab_size_divisible_by": config.make_vocab_size_divisible_by
+                                * config.tensor_model_parallel_size}}
+
+
+def to_hf_state_dict(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
+    """megazero GPT state dict (TP=1, global names) -> GPT2LMHeadModel state dict (no lm_head: tied)."""
+    out = {"transformer.wte.weight": state["wte.weight"], "transformer.wpe.weight": state["wpe.weight"],
+           "transformer.ln_f.weight": state["ln_f.weight"], "transformer.ln_f.bias": state["ln_f.bias"]}
+    for i in range(config.num_layers):
+        ours, theirs = f"blocks.{i}.", f"transformer.h.{i}."
+        for a, b in _NORMS.items():
+            out[f"{theirs}{b}.weight"] = state[f"{ours}{a}.weight"]
+            out[f"{theirs}{b}.bias"] = state[f"{ours}{a}.bias"]
+        for a, b in _LINEARS.items():
+            out[f"{theirs}{b}.weight"] = state[f"{ours}{a}.weight"].t()  # Conv1D: input x output
+            out[f"{theirs}{b}.bias"] = state[f"{ours}{a}.bias"]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def from_hf(hf_config: dict, hf_state: dict[str, torch.Tensor]) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
+    """GPT2LMHeadModel config.json + state dict -> megazero GPTConfig (TP=1) and state dict."""
+    if hf_config.get("model_type") != "gpt2":
+        raise ValueError(f"expected a gpt2 config, got model_type {hf_config.get('model_type')!r}")
+    if hf_config.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise ValueError(f"activation_function {hf_config['activation_function']!r}: megazero's GPT uses "
+                         f"tanh-approximated GeLU")
+    if hf_config.get("n_inner") not in (None, 4 * hf_config["n_embd"]):
+        raise ValueError(f"n_inner {hf_config['n_inner']} must be 4 x n_embd")
+    vocab = hf_config["vocab_size"]
+    if "megazero_config" in hf_config:  # exported by megazero: the same model config back
+        config = GPTConfig(**hf_config["megazero_config"])
+    else:  # any GPT-2: its vocabulary as is (no padding)
+        config = GPTConfig(vocab_size=vocab, seq_length=hf_config["n_positions"], num_layers=hf_config["n_layer"],
+                           hidden_size=hf_config["n_embd"], num_attention_heads=hf_config["n_head"],
+                           layernorm_epsilon=hf_config["layer_norm_epsilon"], make_vocab_size_divisible_by=1)
+    if config.padded_vocab_size != vocab:
+        raise ValueError(f"vocab_size {vocab} does not match the model config's padded vocabulary "
+                         f"{config.padded_vocab_size}")
+    state = {k.removeprefix("transformer."): v for k, v in hf_state.items()}
+    out = {"wte.weight": state["wte.weight"], "wpe.weight": state["wpe.weight"],
+           "ln_f.weight": state["ln_f.weight"], "ln_f.bias": state["ln_f.bias"]}
+    for i in range(config.num_layers):
+        ours, theirs = f"blocks.{i}.", f"h.{i}."
+        for a, b in _NORMS.items():
+            out[f"{ours}{a}.weight"] = state[f"{theirs}{b}.weight"]
+            out[f"{ours}{a}.bias"] = state[f"{theirs}{b}.bias"]
+        for a, b in _LINEARS.items():
+            out[f"{ours}{a}.weight"] = state[f"{theirs}{b}.weight"].t().contiguous()
+            out[f"{ours}{a}.bias"] = state[f"{theirs}{b}.bias"]
+    return config, out

@@ -1,0 +1,55 @@
+"""Import a Hugging Face GPT-2 (a directory with config.json and model.safetensors or
+pytorch_model.bin) as a megazero checkpoint, to continue training it at any layout.
+
+    python scripts/import_hf.py --hf-dir DIR --save CKPT_DIR [--tag global_step0]
+
+The result holds the weights (optimizer state starts afresh when an engine loads it); scripts/
+export_hf.py on it writes the same tensors back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import torch  # noqa: E402
+
+from models.gpt_checkpoint import write_gpt_checkpoint  # noqa: E402
+from models.hf_gpt2 import from_hf  # noqa: E402
+
+
+def read_hf_state(directory: str) -> dict[str, torch.Tensor]:
+    """The state dict of a Hugging Face model directory (safetensors preferred)."""
+    path = os.path.join(directory, "model.safetensors")
+    if os.path.isfile(path):
+        from safetensors.torch import load_file
+
+        return load_file(path)
+    path = os.path.join(directory, "pytorch_model.bin")
+    if os.path.isfile(path):
+        return torch.load(path, map_location="cpu", weights_only=True)
+    raise FileNotFoundError(f"{directory}: neither model.safetensors nor pytorch_model.bin")
+
+
+def main(argv=None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hf-dir", required=True)
+    parser.add_argument("--save", required=True)
+    parser.add_argument("--tag", default="global_step0")
+    args = parser.parse_args(argv)
+    with open(os.path.join(args.hf_dir, "config.json")) as f:
+        hf_config = json.load(f)
+    config, state = from_hf(hf_config, read_hf_state(args.hf_dir))
+    out = write_gpt_checkpoint(config, state, args.save, args.tag)
+    print(f"wrote {out}: {config.num_layers} layers, hidden {config.hidden_size}, "
+          f"vocabulary {config.padded_vocab_size}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
