@@ -10,10 +10,12 @@ DATA_DIR ?= data
 CORPUS_DIR := $(DATA_DIR)/shakespeare
 DATA_PREFIX := $(DATA_DIR)/gpt2/shakespeare
 DATA_STAMP := $(DATA_PREFIX)_train_text_document.idx
+BERT_PREFIX := $(DATA_DIR)/bert/shakespeare
+BERT_STAMP := $(BERT_PREFIX)_train_text_sentence.idx
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install data pretrain-gpt2 test test-fast lint bench clean
+.PHONY: install data data-bert pretrain-gpt2 pretrain-bert test test-fast lint bench clean
 
 install: $(INSTALL_STAMP)
 
@@ -33,6 +35,17 @@ $(DATA_STAMP): scripts/fetch_corpus.py scripts/preprocess_data.py | $(INSTALL_ST
 
 pretrain-gpt2: install data
 	bash scripts/pretrain_gpt2.sh $(ARGS)
+
+data-bert: $(BERT_STAMP)
+
+# BERT: sentences grouped by document, a tokenizer with [CLS] [SEP] [MASK] [PAD] pieces
+$(BERT_STAMP): scripts/fetch_corpus.py scripts/preprocess_data.py | $(INSTALL_STAMP)
+	$(BIN)/python scripts/fetch_corpus.py --out $(CORPUS_DIR)
+	$(BIN)/python scripts/preprocess_data.py --input $(CORPUS_DIR) --output-prefix $(BERT_PREFIX) \
+		--vocab-size 8000 --valid-fraction 0.05 --split-sentences --special-tokens "[CLS]" "[SEP]" "[MASK]" "[PAD]"
+
+pretrain-bert: install data-bert
+	bash scripts/pretrain_bert.sh $(ARGS)
 
 test: install lint
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

@@ -15,6 +15,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 
 import numpy as np
@@ -51,6 +52,14 @@ def read_documents(inputs: list[str]) -> list[tuple[str, str]]:
     return documents
 
 
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+
+
+def split_sentences(text: str) -> list[str]:
+    """Sentences of a text: split after '.', '!' or '?' followed by white space (kept whole otherwise)."""
+    return [s for s in _SENTENCE_END.split(text) if s.strip()]
+
+
 def split_documents(documents: list, valid_fraction: float, seed: int) -> tuple[list, list]:
     """Shuffle documents with `seed` and hold out round(n * valid_fraction) (at least 1) for validation."""
     if len(documents) < 2:
@@ -79,6 +88,10 @@ def main() -> None:
     parser.add_argument("--tokenizer-model", default=None, help="reuse this sentencepiece model")
     parser.add_argument("--valid-fraction", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--split-sentences", action="store_true",
+                        help="BERT: one sequence per sentence, grouped by document (P_{train,valid}_text_sentence)")
+    parser.add_argument("--special-tokens", nargs="*", default=[],
+                        help="pieces of their own in a newly trained tokenizer, e.g. [CLS] [SEP] [MASK] [PAD]")
     args = parser.parse_args()
 
     documents = read_documents(args.input)
@@ -90,14 +103,22 @@ def main() -> None:
         with open(corpus, "w", encoding="utf-8") as f:
             for _, text in train:
                 f.write(text + "\n")
-        model_path = train_sentencepiece([corpus], args.output_prefix + "_tokenizer", args.vocab_size)
+        model_path = train_sentencepiece([corpus], args.output_prefix + "_tokenizer", args.vocab_size,
+                                         special_tokens=args.special_tokens)
         os.remove(corpus)
     tokenizer = SentencePieceTokenizer(model_path)
     dtype = best_dtype(tokenizer.vocab_size)
     stats = {"tokenizer_model": model_path, "vocab_size": tokenizer.vocab_size}
     for split, docs in (("train", train), ("valid", valid)):
-        arrays = [np.array(tokenizer.encode(text) + [tokenizer.eod], dtype=dtype) for _, text in docs]
-        write_indexed_dataset(f"{args.output_prefix}_{split}_text_document", arrays, dtype)
+        if args.split_sentences:
+            arrays, doc_idx = [], [0]
+            for _, text in docs:
+                arrays += [np.array(ids, dtype=dtype) for ids in map(tokenizer.encode, split_sentences(text)) if ids]
+                doc_idx.append(len(arrays))
+            write_indexed_dataset(f"{args.output_prefix}_{split}_text_sentence", arrays, dtype, doc_idx)
+        else:
+            arrays = [np.array(tokenizer.encode(text) + [tokenizer.eod], dtype=dtype) for _, text in docs]
+            write_indexed_dataset(f"{args.output_prefix}_{split}_text_document", arrays, dtype)
         stats[split] = {"documents": len(docs), "tokens": int(sum(len(a) for a in arrays)),
                         "characters": sum(len(t) for _, t in docs), "names": [n for n, _ in docs]}
         if split == "train":

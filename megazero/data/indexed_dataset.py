@@ -36,8 +36,14 @@ def best_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size < 65500 else np.dtype(np.int32)
 
 
-def write_indexed_dataset(prefix: str, documents: list[list[int]] | list[np.ndarray], dtype: np.dtype) -> None:
-    """Write prefix.bin and prefix.idx atomically (temporary names, then rename)."""
+def write_indexed_dataset(prefix: str, documents: list[list[int]] | list[np.ndarray], dtype: np.dtype,
+                          document_indices: list[int] | None = None) -> None:
+    """Write prefix.bin and prefix.idx atomically (temporary names, then rename).
+
+    Each entry of `documents` is one sequence. `document_indices` (Megatron's doc_idx: 0, the
+    index of each document's first sequence, ..., len(documents)) groups sequences into
+    documents, e.g. a document's sentences for BERT; by default every sequence is a document.
+    """
     dtype = np.dtype(dtype)
     os.makedirs(os.path.dirname(prefix) or ".", exist_ok=True)
     sizes = np.array([len(d) for d in documents], dtype=np.int32)
@@ -53,10 +59,14 @@ def write_indexed_dataset(prefix: str, documents: list[list[int]] | list[np.ndar
         f.write(struct.pack("<Q", VERSION))
         f.write(struct.pack("<B", _CODE_OF[dtype]))
         f.write(struct.pack("<Q", len(documents)))
-        f.write(struct.pack("<Q", len(documents) + 1))
+        doc_idx = np.arange(len(documents) + 1, dtype=np.int64) if document_indices is None \
+            else np.asarray(document_indices, dtype=np.int64)
+        if doc_idx[0] != 0 or doc_idx[-1] != len(documents) or np.any(np.diff(doc_idx) < 0):
+            raise ValueError(f"document_indices must rise from 0 to {len(documents)}")
+        f.write(struct.pack("<Q", len(doc_idx)))
         f.write(sizes.tobytes())
         f.write(pointers.tobytes())
-        f.write(np.arange(len(documents) + 1, dtype=np.int64).tobytes())
+        f.write(doc_idx.tobytes())
     os.replace(tmp_bin, prefix + ".bin")
     os.replace(tmp_idx, prefix + ".idx")
 

@@ -9,18 +9,19 @@ NEWLINE = "\n"
 
 
 def train_sentencepiece(files: list[str], model_prefix: str, vocab_size: int = 8000,
-                        model_type: str = "bpe", num_threads: int = 2) -> str:
+                        model_type: str = "bpe", num_threads: int = 2, special_tokens: Iterable[str] = ()) -> str:
     """Train a model on text files; returns the .model path.
 
     Identity normalisation, no dummy prefix and a newline piece, so decode(encode(text)) == text;
-    byte fallback makes any text encodable.
+    byte fallback makes any text encodable. `special_tokens` (e.g. BERT's [CLS] [SEP] [MASK]
+    [PAD]) get pieces of their own.
     """
     import sentencepiece as spm
 
     os.makedirs(os.path.dirname(model_prefix) or ".", exist_ok=True)
     spm.SentencePieceTrainer.train(
         input=files, model_prefix=model_prefix, vocab_size=vocab_size, model_type=model_type,
-        user_defined_symbols=[NEWLINE], add_dummy_prefix=False, remove_extra_whitespaces=False,
+        user_defined_symbols=[NEWLINE, *special_tokens], add_dummy_prefix=False, remove_extra_whitespaces=False,
         normalization_rule_name="identity", byte_fallback=True, character_coverage=1.0,
         num_threads=num_threads, minloglevel=2)
     return model_prefix + ".model"
@@ -49,6 +50,13 @@ class SentencePieceTokenizer:
     def eod(self) -> int:
         """End-of-document id (sentencepiece's </s>)."""
         return self.sp.eos_id()
+
+    def token_id(self, piece: str) -> int:
+        """Id of a special piece such as "[MASK]"; an error names it when the model lacks it."""
+        i = self.sp.piece_to_id(piece)
+        if self.sp.id_to_piece(i) != piece:
+            raise ValueError(f"{self.model_path} has no piece {piece!r}: train it with special_tokens=[{piece!r}, ...]")
+        return i
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; lines are encoded in one batch call (much faster than one string)."""

@@ -15,6 +15,7 @@ from megazero.data import (
     SentencePieceTokenizer,
     write_indexed_dataset,
 )
+from tests.conftest import REPO
 
 
 def test_corpus_round_trip(corpus_prefix):
@@ -108,3 +109,32 @@ def test_loader_slices_ranks_without_overlap_and_resumes(tmp_path):
     assert _ids(resumed, 2) == per_rank[1][2:]
     bounded = DistributedBatchLoader(ds, micro_batch_size=2, dp_rank=0, dp_size=3, num_samples=13)
     assert len(list(bounded)) == 2 == len(bounded)
+
+
+def test_sentence_preprocessing_with_special_tokens(tmp_path):
+    """--split-sentences: one sequence per sentence, grouped by document; the tokenizer has the
+    BERT pieces, each encoded as one id."""
+    import subprocess
+    import sys
+
+    from megazero.data import SentencePieceTokenizer
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    text = "".join(f"The {w} came home. Was it late? It was {w}!\nAnd so on.\n" for w in
+                   ["king", "queen", "fool", "ghost", "duke", "maid"] * 40)
+    for name in ("a", "b", "c"):
+        (corpus / f"{name}.txt").write_text(text)
+    prefix = str(tmp_path / "bert")
+    subprocess.run([sys.executable, os.path.join(REPO, "scripts", "preprocess_data.py"), "--input", str(corpus),
+                    "--output-prefix", prefix, "--vocab-size", "300", "--valid-fraction", "0.34",
+                    "--split-sentences", "--special-tokens", "[CLS]", "[SEP]", "[MASK]", "[PAD]"], check=True)
+    tokenizer = SentencePieceTokenizer(prefix + "_tokenizer.model")
+    ids = {piece: tokenizer.token_id(piece) for piece in ("[CLS]", "[SEP]", "[MASK]", "[PAD]")}
+    assert len(set(ids.values())) == 4
+    assert tokenizer.encode("a [MASK] b").count(ids["[MASK]"]) == 1
+    with pytest.raises(ValueError, match="no piece"):
+        tokenizer.token_id("[NOPE]")
+    train = IndexedDataset(prefix + "_train_text_sentence")
+    assert list(train.document_indices) == [0, 960, 1920]  # 2 documents x 240 lines x 4 sentences
+    assert tokenizer.decode(train[1]).strip() == "Was it late?"

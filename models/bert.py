@@ -1,0 +1,250 @@
+"""BERT: bidirectional encoder with a masked-LM head tied to the word embeddings and a two-way
+sentence head (sentence-order prediction, or next-sentence prediction: the same shape).
+
+Plain and meant to be forked, built like models/gpt.py: Megatron's tensor-parallel layers (plain
+layers without a tp_group), one seed per layer so every shard and pipeline stage starts as the
+slice of the single-process model, and `layers` / `pre_process` / `post_process` to build a
+pipeline stage. Post-LayerNorm (the original BERT) or pre-LayerNorm blocks.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from megazero import tensor_parallel as tp
+from megazero.pipeline.partition import balanced_stage_layers
+from megazero.tensor_parallel.random import get_rng_tracker
+from megazero.tensor_parallel.utils import set_tensor_parallel_attributes
+from models.gpt import _check_tp, _seeded, normal_init
+
+
+@dataclass
+class BertConfig:
+    """Model shape; vocab_size is padded to a multiple of make_vocab_size_divisible_by x TP."""
+
+    vocab_size: int = 8000
+    seq_length: int = 128
+    num_layers: int = 4
+    hidden_size: int = 256
+    num_attention_heads: int = 4
+    ffn_hidden_size: int | None = None  # default 4 * hidden_size
+    dropout: float = 0.1
+    layernorm_epsilon: float = 1e-5
+    make_vocab_size_divisible_by: int = 128
+    num_token_types: int = 2
+    post_layer_norm: bool = True  # BERT's original; False: pre-LayerNorm blocks and a final LayerNorm
+    binary_head: str = "sop"  # "sop" (sentence order) or "nsp" (next sentence): a 2-way head on [CLS]
+    tensor_model_parallel_size: int = 1
+
+    def __post_init__(self):
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
+                             f"{self.num_attention_heads}")
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.binary_head not in ("sop", "nsp"):
+            raise ValueError(f"binary_head must be 'sop' or 'nsp', got {self.binary_head!r}")
+        for name in ("num_attention_heads", "ffn_hidden_size"):
+            if getattr(self, name) % self.tensor_model_parallel_size:
+                raise ValueError(f"{name} {getattr(self, name)} is not divisible by tensor_model_parallel_size "
+                                 f"{self.tensor_model_parallel_size}")
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """vocab_size rounded up to a multiple of make_vocab_size_divisible_by x TP."""
+        m = self.make_vocab_size_divisible_by * self.tensor_model_parallel_size
+        return ((self.vocab_size + m - 1) // m) * m
+
+    @classmethod
+    def from_json(cls, path: str, **overrides) -> BertConfig:
+        """Read a model config JSON (keys as the fields), with overrides for non-None values."""
+        with open(path) as f:
+            values = json.load(f)
+        unknown = set(values) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"{path}: unknown model config keys {sorted(unknown)}")
+        return cls(**{**values, **{k: v for k, v in overrides.items() if v is not None}})
+
+    def to_dict(self) -> dict:
+        """Plain dict of the fields (for checkpoints and logs)."""
+        return asdict(self)
+
+
+class SelfAttention(nn.Module):
+    """Bidirectional multi-head attention over the non-padding tokens; this TP rank's heads."""
+
+    def __init__(self, config: BertConfig, tp_group=None):
+        super().__init__()
+        self.num_heads = config.num_attention_heads // config.tensor_model_parallel_size
+        self.head_dim = config.hidden_size // config.num_attention_heads
+        self.qkv = tp.ColumnParallelLinear(config.hidden_size, 3 * config.hidden_size, tp_group,
+                                           init_method=normal_init(0.02), stride=3)
+        self.proj = tp.RowParallelLinear(config.hidden_size, config.hidden_size, tp_group,
+                                         init_method=normal_init(0.02))
+        self.dropout = config.dropout
+
+    def forward(self, x: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q, k, v = (t.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
+                   for t in self.qkv(x).chunk(3, dim=2))
+        with get_rng_tracker().fork():  # attention dropout differs between the TP ranks' heads
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attend,
+                                               dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
+
+
+class Layer(nn.Module):
+    """Attention and GeLU MLP, each with a residual: post-LN ln(x + f(x)) or pre-LN x + f(ln(x))."""
+
+    def __init__(self, config: BertConfig, tp_group=None):
+        super().__init__()
+        self.post_ln = config.post_layer_norm
+        self.ln_1 = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        self.attn = SelfAttention(config, tp_group)
+        self.ln_2 = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        self.fc = tp.ColumnParallelLinear(config.hidden_size, config.ffn_hidden_size, tp_group,
+                                          init_method=normal_init(0.02))
+        self.proj = tp.RowParallelLinear(config.ffn_hidden_size, config.hidden_size, tp_group,
+                                         init_method=normal_init(0.02))
+        self.dropout = config.dropout
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+    def forward(self, x: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
+        drop = lambda y: F.dropout(y, self.dropout, self.training)  # noqa: E731
+        if self.post_ln:
+            x = self.ln_1(x + drop(self.attn(x, attend)))
+            return self.ln_2(x + drop(self._mlp(x)))
+        x = x + drop(self.attn(self.ln_1(x), attend))
+        return x + drop(self._mlp(self.ln_2(x)))
+
+
+class Bert(nn.Module):
+    """BERT for pretraining. forward(...) -> masked-LM loss + sentence loss (see `losses`).
+
+    Batch keys: input_ids, token_type_ids, padding_mask (True for real tokens), labels (original
+    ids at masked positions), loss_mask (1.0 where a token was masked), sentence_order (0/1).
+    """
+
+    def __init__(self, config: BertConfig, tp_group=None, layers: range | None = None, pre_process: bool = True,
+                 post_process: bool = True):
+        super().__init__()
+        _check_tp(config, tp_group)
+        self.config, self.tp_group = config, tp_group
+        self.layers = layers if layers is not None else range(config.num_layers)
+        self.pre_process, self.post_process = pre_process, post_process
+        h, eps = config.hidden_size, config.layernorm_epsilon
+        base_seed = int(torch.randint(0, 2**31 - 1, (1,), device="cpu"))
+        with _seeded(base_seed):
+            # the MLM output layer is tied to the word embedding: a last stage holds a copy (kept equal
+            # by summing both copies' gradients) built from the same seed as the first stage's
+            self.wte = tp.VocabParallelEmbedding(config.padded_vocab_size, h, tp_group, init_method=normal_init(0.02))
+            if pre_process != post_process:
+                self.wte.weight.shared_embedding = True
+            if pre_process:
+                self.wpe = nn.Embedding(config.seq_length, h)
+                self.tte = nn.Embedding(config.num_token_types, h)
+                nn.init.normal_(self.wpe.weight, std=0.02)
+                nn.init.normal_(self.tte.weight, std=0.02)
+                self.ln_emb = nn.LayerNorm(h, eps=eps)
+        blocks = []
+        for i in self.layers:
+            with _seeded(base_seed + 1 + i):
+                blocks.append(Layer(config, tp_group))
+        self.blocks = nn.ModuleList(blocks)
+        if post_process:
+            with _seeded(base_seed + 1 + config.num_layers):
+                self._build_heads(config)
+
+    def _build_heads(self, config: BertConfig) -> None:
+        h, eps = config.hidden_size, config.layernorm_epsilon
+        if not config.post_layer_norm:
+            self.ln_f = nn.LayerNorm(h, eps=eps)
+        self.lm_dense = nn.Linear(h, h)
+        self.lm_ln = nn.LayerNorm(h, eps=eps)
+        # the output bias is split over the vocabulary like the tied output weight
+        self.lm_bias = nn.Parameter(torch.zeros(config.padded_vocab_size // config.tensor_model_parallel_size))
+        set_tensor_parallel_attributes(self.lm_bias, 0)
+        self.pooler = nn.Linear(h, h)
+        self.binary = nn.Linear(h, 2)
+        for linear in (self.lm_dense, self.pooler, self.binary):
+            nn.init.normal_(linear.weight, std=0.02)
+            nn.init.zeros_(linear.bias)
+
+    def global_parameter_name(self, name: str) -> str:
+        """`name` with this stage's layer numbers made global."""
+        if name.startswith("blocks."):
+            index, rest = name[len("blocks."):].split(".", 1)
+            return f"blocks.{self.layers[int(index)]}.{rest}"
+        return name
+
+    def num_parameters(self) -> int:
+        """Trainable parameters on this rank."""
+        return sum(p.numel() for p in self.parameters())
+
+    def embed(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
+        """Word + position + token-type embeddings, LayerNorm, dropout."""
+        seq = input_ids.shape[1]
+        if seq > self.config.seq_length:
+            raise ValueError(f"sequence of {seq} tokens is longer than seq_length {self.config.seq_length}")
+        x = self.wte(input_ids) + self.wpe(torch.arange(seq, device=input_ids.device)) + self.tte(token_type_ids)
+        return F.dropout(self.ln_emb(x), self.config.dropout, self.training)
+
+    def encode(self, padding_mask: torch.Tensor, input_ids=None, token_type_ids=None,
+               hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        """This stage's layers over the embeddings (first stage) or the previous stage's output."""
+        x = self.embed(input_ids, token_type_ids) if self.pre_process else hidden_states
+        attend = padding_mask.bool()[:, None, None, :]  # every query sees the real tokens
+        for block in self.blocks:
+            x = block(x, attend)
+        return x
+
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this TP rank's vocabulary slice of the MLM logits, the 2-way sentence logits)."""
+        if not self.config.post_layer_norm:
+            x = self.ln_f(x)
+        sentence = self.binary(torch.tanh(self.pooler(x[:, 0])))  # [CLS]
+        hidden = self.lm_ln(F.gelu(self.lm_dense(x)))
+        logits = F.linear(tp.copy_to_tensor_parallel_region(hidden, self.tp_group), self.wte.weight, self.lm_bias)
+        return logits, sentence
+
+    def losses(self, input_ids=None, token_type_ids=None, padding_mask=None, labels=None, loss_mask=None,
+               sentence_order=None, hidden_states=None) -> dict[str, torch.Tensor]:
+        """{'mlm': masked-LM loss, 'sop': sentence loss, 'sop_correct': right answers} (last stage)."""
+        logits, sentence = self.heads(self.encode(padding_mask, input_ids, token_type_ids, hidden_states))
+        per_token = tp.vocab_parallel_cross_entropy(logits, labels, self.tp_group)
+        mask = loss_mask.float()
+        mlm = (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+        sop = F.cross_entropy(sentence.float(), sentence_order)
+        return {"mlm": mlm, "sop": sop, "sop_correct": (sentence.argmax(-1) == sentence_order).sum()}
+
+    def forward(self, input_ids=None, token_type_ids=None, padding_mask=None, labels=None, loss_mask=None,
+                sentence_order=None, hidden_states=None) -> torch.Tensor:
+        if not self.post_process:
+            return self.encode(padding_mask, input_ids, token_type_ids, hidden_states)
+        out = self.losses(input_ids, token_type_ids, padding_mask, labels, loss_mask, sentence_order, hidden_states)
+        return out["mlm"] + out["sop"]
+
+
+def stage_layers(config: BertConfig, num_stages: int) -> list[range]:
+    """Each pipeline stage's layers, balanced by parameter count."""
+    h, ffn = config.hidden_size, config.ffn_hidden_size
+    block = 4 * h * h + 4 * h + 2 * h * ffn + ffn + h + 4 * h
+    embedding = config.padded_vocab_size * h
+    heads = embedding + 2 * h * h + 2 * h + config.padded_vocab_size
+    return balanced_stage_layers([block] * config.num_layers, num_stages,
+                                 embedding + (config.seq_length + config.num_token_types) * h, heads)
+
+
+def build_model(config: BertConfig, grid=None) -> Bert:
+    """This rank's part of the model: its tensor-parallel shard of its pipeline stage."""
+    if grid is None:
+        return Bert(config)
+    layers = stage_layers(config, grid.pipeline_model_parallel_size)[grid.pp_rank]
+    return Bert(config, grid.tp_group, layers, pre_process=grid.is_first_stage, post_process=grid.is_last_stage)

@@ -1,0 +1,92 @@
+"""BERT: the samples (structure, masking rates, sentence-order labels, determinism) and every
+parallel layout against the single-process model (fp32, same seed and data, 6 steps: losses within
+1e-5 relative, weights within 2e-5)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.bert_helpers import SPECIAL, bert_dataset, train_bert, write_sentence_dataset
+from tests.training_helpers import base_config
+
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def sentence_prefix(tmp_path_factory) -> str:
+    return write_sentence_dataset(str(tmp_path_factory.mktemp("bert") / "sentences"))
+
+
+def test_sample_structure_and_masking(sentence_prefix):
+    dataset = bert_dataset(sentence_prefix)
+    masked = replaced_by_mask = kept = candidates = swapped = 0
+    for i in range(len(dataset)):
+        item = dataset[i]
+        ids, types, pad = item["input_ids"], item["token_type_ids"], item["padding_mask"]
+        length = int(pad.sum())
+        original = torch.where(item["loss_mask"] > 0, item["labels"], ids)
+        assert original[0] == SPECIAL["[CLS]"] and original[length - 1] == SPECIAL["[SEP]"]
+        assert (original[:length] == SPECIAL["[SEP]"]).sum() == 2
+        assert torch.all(ids[length:] == SPECIAL["[PAD]"]) and not pad[length:].any()
+        assert types[0] == 0 and types[length - 1] == 1 and torch.all(types[length:] == 0)
+        selected = item["loss_mask"] > 0
+        assert not torch.isin(item["labels"][selected], torch.tensor([0, 1, 3])).any()  # never specials
+        masked += int(selected.sum())
+        replaced_by_mask += int((ids[selected] == SPECIAL["[MASK]"]).sum())
+        kept += int((ids[selected] == item["labels"][selected]).sum())
+        candidates += length - 3
+        swapped += int(item["sentence_order"])
+    assert masked / candidates == pytest.approx(0.15, abs=0.03)
+    assert replaced_by_mask / masked == pytest.approx(0.8, abs=0.08)
+    assert kept / masked == pytest.approx(0.1, abs=0.06)
+    assert swapped / len(dataset) == pytest.approx(0.5, abs=0.2)
+
+
+def test_samples_are_deterministic(sentence_prefix):
+    a, b = bert_dataset(sentence_prefix, seed=3), bert_dataset(sentence_prefix, seed=3)
+    for i in (0, 5, len(a) + 2):  # also in the next epoch
+        assert all(torch.equal(a[i][k], b[i][k]) for k in a[i])
+    other = bert_dataset(sentence_prefix, seed=4)
+    assert not all(torch.equal(a[0][k], other[0][k]) for k in a[0])
+
+
+def _config(stage: int, micro: int) -> dict:
+    zero = {"stage": stage, "reduce_bucket_size": 20000, "stage3_param_persistence_threshold": 0}
+    return base_config(train_micro_batch_size_per_gpu=micro, zero_optimization=zero)
+
+
+@pytest.fixture(scope="module")
+def reference(pools, sentence_prefix):
+    """The single-process run with a given micro-batch size: the masked-LM loss is a mean over
+    each micro-batch's masked tokens (as in Megatron), so layouts compare at equal micro-batches."""
+    runs = {}
+
+    def get(micro: int) -> dict:
+        if micro not in runs:
+            runs[micro] = pools(1).run(train_bert, _config(0, micro), sentence_prefix, STEPS)[0]
+        return runs[micro]
+
+    return get
+
+
+LAYOUTS = [("tp2", 2, (2, 1), 0, 8), ("pp2", 2, (1, 2), 1, 2), ("dp2_zero2", 2, (1, 1), 2, 4),
+           ("dp2_zero3", 2, (1, 1), 3, 4), ("tp2_pp2", 4, (2, 2), 0, 2), ("tp2_dp2_zero1", 4, (2, 1), 1, 4)]
+
+
+@pytest.mark.parametrize("name,world,layout,stage,micro", LAYOUTS, ids=[x[0] for x in LAYOUTS])
+def test_bert_layout_matches_single_process(pools, reference, sentence_prefix, name, world, layout, stage, micro):
+    reference = reference(micro)
+    for result in pools(world).run(train_bert, _config(stage, micro), sentence_prefix, STEPS, layout):
+        for step, (a, b) in enumerate(zip(reference["losses"], result["losses"])):
+            assert abs(a - b) <= 1e-5 * abs(a), f"step {step}: {reference['losses']} vs {result['losses']}"
+        assert result["params"].keys() == reference["params"].keys()
+        for key, value in reference["params"].items():
+            torch.testing.assert_close(result["params"][key], value, rtol=0, atol=2e-5, msg=key)
+    assert reference["losses"][-1] < reference["losses"][0]
+
+
+def test_pre_layer_norm_variant_trains(pools, sentence_prefix):
+    result = pools(1).run(train_bert, _config(0, 8), sentence_prefix, STEPS, None, {"post_layer_norm": False})[0]
+    assert np.isfinite(result["losses"]).all() and result["losses"][-1] < result["losses"][0]
