@@ -15,7 +15,7 @@ from megazero.config import ConfigError, EngineConfig, parse_config
 from megazero.distributed import init_distributed
 from megazero.engine import Engine
 from megazero.parallel_state import grid_from_mpu
-from megazero.tensor_parallel.random import model_parallel_seed
+from megazero.tensor_parallel.random import seed_tracker
 
 __version__ = "0.1.0"
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "Engine", "EngineConfig", "ConfigError",
@@ -68,8 +68,9 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     _check_model_parallel(grid, engine_config)
     if engine_config.seed is not None:
         set_seed(engine_config.seed)
-    if grid is not None and grid.tensor_model_parallel_size > 1:
-        model_parallel_seed(engine_config.seed if engine_config.seed is not None else 1234, grid.tp_rank)
+    if grid is not None and grid.tensor_model_parallel_size > 1:  # per-TP-rank dropout in the TP regions
+        seed_tracker(engine_config.seed if engine_config.seed is not None else torch.initial_seed() % 2**31,
+                     grid.tp_rank)
     if engine_config.activation_checkpointing is not None:
         from dataclasses import asdict
 

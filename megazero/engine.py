@@ -42,7 +42,7 @@ class Engine(torch.nn.Module):
         super().__init__()
         self.module = model
         self.grid = grid
-        # the last stage's copy of the tied word embedding: its gradient is summed with the first stage's
+        # both pipeline copies of a tied word embedding (first and last stage): their gradients are summed
         self.tied_params = [p for p in model.parameters() if getattr(p, "shared_embedding", False)]
         self.config = config
         self.optimizer = optimizer

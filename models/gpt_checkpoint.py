@@ -1,5 +1,5 @@
-"""A GPT from (or to) a megazero checkpoint of any layout, for the tools that run one process:
-generation, evaluation, Hugging Face export and import."""
+"""A GPT (or BERT) from, or a GPT to, a megazero checkpoint of any layout, for the tools that run
+one process: generation, evaluation, Hugging Face export and import."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from megazero.checkpoint.universal import ParameterStates
 from models.gpt import GPT, GPTConfig
 
 
-def saved_model_config(checkpoint_dir: str, tag: str | None = None) -> GPTConfig:
-    """The GPTConfig a checkpoint was trained with, as the single-process (TP = 1) model with the
-    same (padded) vocabulary."""
+def saved_model_config(checkpoint_dir: str, tag: str | None = None, config_class=GPTConfig):
+    """The model config a checkpoint was trained with (GPTConfig, or config_class, e.g.
+    BertConfig), as the single-process (TP = 1) model with the same (padded) vocabulary."""
     tag = resolve_tag(checkpoint_dir, tag)
     if tag is None:
         raise CheckpointError(f"{checkpoint_dir}: no 'latest' file and no tag given")
@@ -27,17 +27,26 @@ def saved_model_config(checkpoint_dir: str, tag: str | None = None) -> GPTConfig
         raise CheckpointError(f"{checkpoint_dir}/{tag}: no mp_rank_*_model_states.pt file")
     saved = load_file(files[0]).get("model_config")
     if saved is None:
-        raise CheckpointError(f"{files[0]}: no model_config (not saved from a models.gpt.GPT)")
-    return GPTConfig(**{**saved, "tensor_model_parallel_size": 1, "sequence_parallel": False,
-                        "make_vocab_size_divisible_by": saved["make_vocab_size_divisible_by"]
-                        * saved.get("tensor_model_parallel_size", 1)})
+        raise CheckpointError(f"{files[0]}: no model_config (not saved from a models/ model)")
+    whole = {**saved, "tensor_model_parallel_size": 1, "make_vocab_size_divisible_by":
+             saved["make_vocab_size_divisible_by"] * saved.get("tensor_model_parallel_size", 1)}
+    if "sequence_parallel" in whole:
+        whole["sequence_parallel"] = False
+    return config_class(**whole)
 
 
-def load_gpt(checkpoint_dir: str, tag: str | None = None) -> GPT:
+def is_bert_checkpoint(checkpoint_dir: str, tag: str | None = None) -> bool:
+    """True when the checkpoint holds a models.bert.Bert (its config has a binary head)."""
+    tag = resolve_tag(checkpoint_dir, tag)
+    files = sorted(glob.glob(os.path.join(checkpoint_dir, tag or "", "mp_rank_*_model_states.pt")))
+    return bool(files) and "binary_head" in (load_file(files[0]).get("model_config") or {})
+
+
+def load_gpt(checkpoint_dir: str, tag: str | None = None, model_class=GPT, config_class=GPTConfig):
     """The whole model from any checkpoint layout (TP shards joined, stages merged, fp32 masters)."""
-    config = saved_model_config(checkpoint_dir, tag)
+    config = saved_model_config(checkpoint_dir, tag, config_class)
     with torch.device("meta"):
-        model = GPT(config)
+        model = model_class(config)
     model.load_state_dict(consolidate_fp32_state_dict(checkpoint_dir, tag), strict=True, assign=True)
     return model.eval()
 

@@ -1,10 +1,11 @@
-"""Export a GPT checkpoint (any TP/PP/DP layout, any ZeRO stage) as a Hugging Face transformers
-GPT2LMHeadModel: config.json, model.safetensors (fp32 masters) and the sentencepiece tokenizer.
+"""Export a GPT or BERT checkpoint (any TP/PP/DP layout, any ZeRO stage) as a Hugging Face
+transformers model: GPT2LMHeadModel or BertForPreTraining, with config.json, model.safetensors
+(fp32 masters) and the sentencepiece tokenizer.
 
     python scripts/export_hf.py --load CKPT --out DIR [--tokenizer-model TOK.model]
 
-Then `transformers.GPT2LMHeadModel.from_pretrained(DIR)` gives the same logits. The vocabulary is
-megazero's padded one; bos/eos are the tokenizer's end-of-document token.
+Then `from_pretrained(DIR)` gives the same logits. The vocabulary is megazero's padded one; GPT's
+bos/eos are the tokenizer's end-of-document token, BERT's pad is [PAD].
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ sys.path.insert(0, REPO)
 
 from megazero.checkpoint.consolidate import consolidate_fp32_state_dict  # noqa: E402
 from megazero.data import SentencePieceTokenizer  # noqa: E402
-from models.gpt_checkpoint import saved_model_config  # noqa: E402
+from models import hf_bert  # noqa: E402
+from models.bert import BertConfig  # noqa: E402
+from models.gpt_checkpoint import is_bert_checkpoint, saved_model_config  # noqa: E402
 from models.hf_gpt2 import hf_config_dict, to_hf_state_dict  # noqa: E402
 
 
@@ -33,15 +36,23 @@ def main(argv=None) -> str:
     args = parser.parse_args(argv)
     from safetensors.torch import save_file
 
-    config = saved_model_config(args.load, args.tag)
     tokenizer = SentencePieceTokenizer(args.tokenizer_model)
-    state = to_hf_state_dict(consolidate_fp32_state_dict(args.load, args.tag), config)
+    weights = consolidate_fp32_state_dict(args.load, args.tag)
+    if is_bert_checkpoint(args.load, args.tag):
+        config = saved_model_config(args.load, args.tag, BertConfig)
+        state = hf_bert.to_hf_state_dict(weights, config)
+        hf_config = hf_bert.hf_config_dict(config, tokenizer.token_id("[PAD]"))
+    else:
+        config = saved_model_config(args.load, args.tag)
+        state = to_hf_state_dict(weights, config)
+        hf_config = hf_config_dict(config, tokenizer.eod, tokenizer.eod)
     os.makedirs(args.out, exist_ok=True)
     save_file(state, os.path.join(args.out, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(args.out, "config.json"), "w") as f:
-        json.dump(hf_config_dict(config, tokenizer.eod, tokenizer.eod), f, indent=1)
+        json.dump(hf_config, f, indent=1)
     shutil.copy(args.tokenizer_model, os.path.join(args.out, "tokenizer.model"))
-    print(f"wrote {args.out}: GPT2LMHeadModel, {sum(t.numel() for t in state.values()):,} parameters")
+    print(f"wrote {args.out}: {hf_config['architectures'][0]}, {sum(t.numel() for t in state.values()):,} tensors' "
+          f"elements")
     return args.out
 
 

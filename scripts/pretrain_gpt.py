@@ -30,9 +30,11 @@ from models.gpt import GPT, GPTConfig, count_parameters  # noqa: E402
 from models.gpt import build_model as build_gpt  # noqa: E402
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--model-config", default=os.path.join(REPO, "configs", "gpt2_cpu.json"))
+def recipe_parser(description: str, model_config: str, engine_config_path: str) -> argparse.ArgumentParser:
+    """Megatron-style flags shared by the GPT and BERT recipes (model size, parallelism, batch,
+    schedule, data, checkpoints, logging, precision) plus the engine config flags."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--model-config", default=os.path.join(REPO, "configs", model_config))
     p.add_argument("--num-layers", type=int)
     p.add_argument("--hidden-size", type=int)
     p.add_argument("--num-attention-heads", type=int)
@@ -69,12 +71,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--peak-flops", type=float, default=None,
                    help="per-rank peak FLOP/s for MFU (default: measured by a matmul probe)")
+    megazero.add_config_arguments(p)
+    p.set_defaults(megazero_config=os.path.join(REPO, "configs", engine_config_path))
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = recipe_parser(__doc__, "gpt2_cpu.json", "ds_gpt2_cpu.json")
     p.add_argument("--sample-prompt", default="ROMEO:\n")
     p.add_argument("--sample-tokens", type=int, default=120)
-    megazero.add_config_arguments(p)
     args = p.parse_args(argv)
-    if args.megazero_config is None:
-        args.megazero_config = os.path.join(REPO, "configs", "ds_gpt2_cpu.json")
     if args.tokenizer_model is None:
         args.tokenizer_model = args.data_path + "_tokenizer.model"
     return args
@@ -238,8 +244,9 @@ class StopSignal:
         self.received = signum
 
 
-def train_loop(engine, loader, valid, args, log: ProgressLog, stop: StopSignal, rank: int, unigram):
-    """Train to --train-iters; returns (last validation loss, why it stopped early or None)."""
+def train_loop(engine, loader, args, log: ProgressLog, stop: StopSignal, rank: int, run_validation):
+    """Train to --train-iters, validating with run_validation() every --eval-interval; returns
+    (last validation loss, why it stopped early or None)."""
     data_iter = iter(loader)
     start = time.perf_counter()
     val_loss, reason = None, None
@@ -253,7 +260,7 @@ def train_loop(engine, loader, valid, args, log: ProgressLog, stop: StopSignal, 
         reason = "signal" if signalled else "time" if timed_out else None
         paused = time.perf_counter()
         if reason is None and (it % args.eval_interval == 0 or it == args.train_iters):
-            val_loss = run_evaluation(engine, valid, args, rank, unigram)
+            val_loss = run_validation()
         if args.save and (it % args.save_interval == 0 or it == args.train_iters or reason):
             engine.save_checkpoint(args.save, client_state={"iteration": it})
         log.window_start += time.perf_counter() - paused  # iteration time excludes evaluation and saving
@@ -264,15 +271,19 @@ def train_loop(engine, loader, valid, args, log: ProgressLog, stop: StopSignal, 
     return val_loss, reason
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
+def start_run(args: argparse.Namespace):
+    """Threads, process group, model-parallel grid, seed and tokenizer: (rank, grid, tokenizer)."""
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     megazero.init_distributed()
-    rank = dist.get_rank()
     grid = parallel_state.initialize_model_parallel(args.tensor_model_parallel_size,
                                                     args.pipeline_model_parallel_size)
     megazero.set_seed(args.seed)
-    tokenizer = SentencePieceTokenizer(args.tokenizer_model)
+    return dist.get_rank(), grid, SentencePieceTokenizer(args.tokenizer_model)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    rank, grid, tokenizer = start_run(args)
     model = build_model(args, tokenizer.vocab_size, grid)
     if torch.cuda.is_available():
         model = model.cuda(torch.cuda.current_device())
@@ -297,8 +308,8 @@ def main(argv=None) -> dict:
               f"{engine.gradient_accumulation_steps()} x {engine.dp_world_size}, {engine.config.compute_dtype}, "
               f"peak {peak / 1e9:.1f} GFLOP/s per rank", flush=True)
     stop = StopSignal()
-    val_loss, reason = train_loop(engine, loader, valid, args, ProgressLog(engine, args, flops, peak, rank), stop,
-                                  rank, unigram)
+    val_loss, reason = train_loop(engine, loader, args, ProgressLog(engine, args, flops, peak, rank), stop, rank,
+                                  lambda: run_evaluation(engine, valid, args, rank, unigram))
     if reason == "signal":
         if rank == 0:
             print(f"received {signal.Signals(stop.received).name}: checkpoint saved at iteration "

@@ -38,8 +38,9 @@ def bert_dataset(prefix: str, seed: int = 0) -> BertDataset:
 
 
 def train_bert(config: dict, prefix: str, steps: int, layout: tuple[int, int] | None = None,
-               model_overrides: dict | None = None) -> dict:
-    """Seeded tiny BERT trained `steps` optimizer steps; per-step global losses and final parameters."""
+               model_overrides: dict | None = None, save_dir: str | None = None) -> dict:
+    """Seeded tiny BERT trained `steps` optimizer steps; per-step global losses and final parameters
+    (saved as a checkpoint in save_dir when given)."""
     megazero.set_seed(0)
     grid = parallel_state.initialize_model_parallel(*layout) if layout else None
     overrides = {**(model_overrides or {}), "tensor_model_parallel_size": layout[0] if layout else 1}
@@ -48,4 +49,6 @@ def train_bert(config: dict, prefix: str, steps: int, layout: tuple[int, int] | 
                                                mpu=parallel_state if grid else None)
     data = iter(loader)
     losses = [global_mean(engine.train_batch(data).item(), engine) for _ in range(steps)]
+    if save_dir is not None:
+        engine.save_checkpoint(save_dir)
     return {"losses": losses, "params": full_parameters(engine)}

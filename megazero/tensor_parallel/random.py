@@ -83,9 +83,14 @@ def get_rng_tracker() -> RNGStatesTracker:
     return _TRACKER
 
 
-def model_parallel_seed(seed: int, tp_rank: int) -> None:
-    """Seed the default generator with `seed` (same on all TP ranks) and the tracker's
-    tensor-parallel state with seed + 2718 + tp_rank (different per TP rank)."""
-    torch.manual_seed(seed)
+def seed_tracker(seed: int, tp_rank: int) -> None:
+    """Give the tracker its tensor-parallel state, seeded seed + 2718 + tp_rank (different per TP
+    rank); the default generator is left as it is."""
     _TRACKER.reset()
     _TRACKER.add(MODEL_PARALLEL_RNG, seed + _TP_SEED_OFFSET + tp_rank)
+
+
+def model_parallel_seed(seed: int, tp_rank: int) -> None:
+    """Seed the default generator with `seed` (same on all TP ranks) and the tracker (seed_tracker)."""
+    torch.manual_seed(seed)
+    seed_tracker(seed, tp_rank)

@@ -90,3 +90,43 @@ def test_bert_layout_matches_single_process(pools, reference, sentence_prefix, n
 def test_pre_layer_norm_variant_trains(pools, sentence_prefix):
     result = pools(1).run(train_bert, _config(0, 8), sentence_prefix, STEPS, None, {"post_layer_norm": False})[0]
     assert np.isfinite(result["losses"]).all() and result["losses"][-1] < result["losses"][0]
+
+
+def test_export_to_transformers_bert(pools, sentence_prefix, tmp_path):
+    """A BERT trained at TP=2 x PP=2 exports as a BertForPreTraining with the same MLM and sentence
+    logits (fp32, within 1e-5)."""
+    pytest.importorskip("transformers")
+    import os
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    from transformers import BertForPreTraining
+
+    from models.bert import Bert, BertConfig
+    from models.gpt_checkpoint import load_gpt
+    from scripts.export_hf import main as export
+    from tests.bert_helpers import bert_dataset
+
+    save = str(tmp_path / "ckpt")
+    pools(4).run(train_bert, _config(1, 2), sentence_prefix, 2, (2, 2), None, save)
+    export(["--load", save, "--out", str(tmp_path / "hf"), "--tokenizer-model", _bert_tokenizer(tmp_path)])
+    hf = BertForPreTraining.from_pretrained(str(tmp_path / "hf")).eval()
+    ours = load_gpt(save, model_class=Bert, config_class=BertConfig)
+    samples = [bert_dataset(sentence_prefix)[i] for i in range(4)]
+    batch = {k: torch.stack([s[k] for s in samples]) for k in ("input_ids", "token_type_ids", "padding_mask")}
+    with torch.no_grad():
+        mlm, sentence = ours.heads(ours.encode(batch["padding_mask"], batch["input_ids"], batch["token_type_ids"]))
+        out = hf(input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"],
+                 attention_mask=batch["padding_mask"].long())
+    real = batch["padding_mask"]
+    torch.testing.assert_close(out.prediction_logits[real], mlm[real], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.seq_relationship_logits, sentence, rtol=1e-5, atol=1e-5)
+
+
+def _bert_tokenizer(tmp_path) -> str:
+    """A small sentencepiece model with the BERT pieces (export needs [PAD]'s id)."""
+    from megazero.data import train_sentencepiece
+
+    text = tmp_path / "text.txt"
+    text.write_text("the king and the queen. a fool and a ghost!\n" * 200)
+    return train_sentencepiece([str(text)], str(tmp_path / "tok"), 300, special_tokens=["[CLS]", "[SEP]", "[MASK]",
+                                                                                      "[PAD]"])

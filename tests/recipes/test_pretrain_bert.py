@@ -1,0 +1,50 @@
+"""The BERT recipe end to end: make data-bert's sentence dataset and tokenizer, torchrun on 2 gloo
+ranks, validation with masked-LM loss and sentence accuracy, a checkpoint, resume."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
+BERT_PREFIX = os.path.join(REPO, "data", "bert", "shakespeare")
+
+
+@pytest.fixture(scope="module")
+def bert_prefix() -> str:
+    if not os.path.exists(BERT_PREFIX + "_train_text_sentence.idx"):
+        subprocess.run(["make", "-C", REPO, "data-bert", f"PYTHON={sys.executable}"], check=True)
+    return BERT_PREFIX
+
+
+def _run(prefix: str, tmp_path, iters: int, extra: tuple[str, ...] = ()) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(REPO, "scripts", "pretrain_bert.py"), "--data-path", prefix, "--num-layers", "2",
+           "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64", "--global-batch-size", "16",
+           "--micro-batch-size", "8", "--lr", "0.001", "--train-iters", str(iters), "--log-interval", "10",
+           "--eval-interval", "20", "--eval-iters", "4", "--save", str(tmp_path / "ckpt"), "--load",
+           str(tmp_path / "ckpt"), "--save-interval", "20", "--tensorboard-dir", str(tmp_path / "tb"),
+           "--peak-flops", "1e11", *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          timeout=600, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc.stdout
+
+
+def test_pretrain_bert_trains_validates_and_resumes(bert_prefix, tmp_path):
+    out = _run(bert_prefix, tmp_path, 40)
+    losses = [float(x) for x in re.findall(r"\| lm loss: ([0-9.]+) \| learning rate", out)]
+    assert len(losses) == 4 and losses[-1] < losses[0], out
+    val = re.findall(r"validation at iteration (\d+) \| lm loss: ([0-9.]+) \| mlm loss: ([0-9.]+) \| mlm PPL: "
+                     r"[0-9.]+ \| sop accuracy: ([0-9.]+)", out)
+    assert [int(v[0]) for v in val] == [20, 40], out
+    assert all(0.0 <= float(v[3]) <= 1.0 for v in val)
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["global_step20", "global_step40", "latest"]
+    resumed = _run(bert_prefix, tmp_path, 50, ("--tensor-model-parallel-size", "2"))
+    assert "resumed from" in resumed and "iteration     50/50" in resumed
