@@ -15,7 +15,7 @@ BERT_STAMP := $(BERT_PREFIX)_train_text_sentence.idx
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install data data-bert pretrain-gpt2 pretrain-bert test test-fast lint bench clean
+.PHONY: install data data-bert pretrain-gpt2 pretrain-bert test test-fast lint bench check-cuda clean
 
 install: $(INSTALL_STAMP)
 
@@ -61,6 +61,22 @@ bench: install data
 	$(BIN)/python benchmarks/bench_parallel.py
 	$(BIN)/python benchmarks/bench_activations.py
 	$(BIN)/python benchmarks/bench_cpu_adam.py
+
+# Compile the CUDA ops against a CUDA build of torch in a separate venv (not part of `make test`);
+# on a machine with a GPU it then runs their tests and benchmarks/gpu_ops.py.
+CUDA_TORCH_SPEC ?= torch==2.14.1
+CUDA_ARCH ?= 9.0
+# the toolkit directory (bin/nvcc, include, lib64); the first /usr/local/cuda-* by default
+CUDA_HOME ?= $(firstword $(wildcard /usr/local/cuda-*) /usr/local/cuda)
+check-cuda:
+	@test -x .venv-cuda/bin/python || $(PYTHON) -m venv .venv-cuda
+	@.venv-cuda/bin/python -c "import torch; assert torch.version.cuda" 2>/dev/null || \
+		.venv-cuda/bin/pip install -q --disable-pip-version-check --find-links /opt/pypi-more/files "$(CUDA_TORCH_SPEC)"
+	.venv-cuda/bin/pip install -q --disable-pip-version-check numpy ninja pytest sentencepiece safetensors
+	CUDA_HOME=$(CUDA_HOME) TORCH_CUDA_ARCH_LIST=$(CUDA_ARCH) MEGAZERO_OPS_STRICT=1 .venv-cuda/bin/python -m megazero.ops build
+	@if .venv-cuda/bin/python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then \
+		.venv-cuda/bin/python -m pytest -q -m cuda tests/ops && .venv-cuda/bin/python benchmarks/gpu_ops.py; \
+	else echo "no GPU here: compiled only"; fi
 
 clean:
 	rm -rf checkpoints runs wandb benchmarks/results .pytest_cache

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from megazero import tensor_parallel as tp
 from megazero.activation_checkpointing import checkpoint
+from megazero.ops.cuda_ops import bias_gelu
 from megazero.pipeline.partition import balanced_stage_layers
 from megazero.tensor_parallel.random import get_rng_tracker
 
@@ -45,6 +46,7 @@ class GPTConfig:
     make_vocab_size_divisible_by: int = 128
     recompute_granularity: str | None = None  # "full": whole layers; "selective": the attention core
     recompute_num_layers: int | None = None  # with "full": the first N layers of each stage (default: all)
+    fused_kernels: bool = True  # on GPUs, megazero's CUDA LayerNorm and bias + GeLU (where built)
     tensor_model_parallel_size: int = 1  # must equal the size of the tp_group the model is built with
     sequence_parallel: bool = False  # split LayerNorm/dropout activations along the sequence across TP ranks
 
@@ -152,8 +154,11 @@ class MLP(nn.Module):
                                           init_method=normal_init(0.02), sequence_parallel=sp)
         self.proj = tp.RowParallelLinear(config.ffn_hidden_size, config.hidden_size, tp_group,
                                          init_method=normal_init(residual_std), sequence_parallel=sp)
+        self.fused = config.fused_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and x.is_cuda:
+            return self.proj(bias_gelu(self.fc(x, add_bias=False), self.fc.bias))
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
 
 
@@ -163,9 +168,9 @@ class Block(nn.Module):
     def __init__(self, config: GPTConfig, tp_group=None):
         super().__init__()
         sp = config.sequence_parallel
-        self.ln_1 = tp.LayerNorm(config.hidden_size, config.layernorm_epsilon, tp_group, sp)
+        self.ln_1 = tp.LayerNorm(config.hidden_size, config.layernorm_epsilon, tp_group, sp, config.fused_kernels)
         self.attn = CausalSelfAttention(config, tp_group)
-        self.ln_2 = tp.LayerNorm(config.hidden_size, config.layernorm_epsilon, tp_group, sp)
+        self.ln_2 = tp.LayerNorm(config.hidden_size, config.layernorm_epsilon, tp_group, sp, config.fused_kernels)
         self.mlp = MLP(config, tp_group)
         self.dropout = config.dropout
         self.sequence_parallel = sp
@@ -218,7 +223,8 @@ class GPT(nn.Module):
                 blocks.append(Block(config, tp_group))
         self.blocks = nn.ModuleList(blocks)
         if post_process:
-            self.ln_f = tp.LayerNorm(config.hidden_size, config.layernorm_epsilon, tp_group, config.sequence_parallel)
+            self.ln_f = tp.LayerNorm(config.hidden_size, config.layernorm_epsilon, tp_group, config.sequence_parallel,
+                                     config.fused_kernels)
 
     def num_parameters(self) -> int:
         """Trainable parameters on this rank (the tied embedding counted once)."""

@@ -32,9 +32,9 @@ class OpSpec:
     name: str
     sources: list[str]
     cuda: bool = False
-    # no FMA contraction: the kernels round each operation as torch's separate ops do
-    cflags: list[str] = field(default_factory=lambda: ["-O3", "-fopenmp", "-std=c++17", "-ffp-contract=off",
-                                                                  "-fno-math-errno"])
+    # no FMA contraction: the kernels round each operation as torch's separate ops do (the C++
+    # standard is left to torch: C++17 for 2.13, C++20 for 2.14)
+    cflags: list[str] = field(default_factory=lambda: ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"])
     ldflags: list[str] = field(default_factory=lambda: ["-fopenmp"])
     cuda_cflags: list[str] = field(default_factory=lambda: ["-O3", "--use_fast_math"])
 
@@ -79,8 +79,19 @@ def _target() -> str:
     return f"{platform.machine()} cuda-arch={arch}"
 
 
+_keys: dict[tuple, str] = {}  # computed once per process: building may change the environment it hashes
+
+
 def build_key(spec: OpSpec) -> str:
     """Hash of everything that makes a build reusable."""
+    sources = tuple(os.path.getmtime(os.path.join(CSRC, s)) for s in spec.sources)
+    memo = (spec.name, tuple(spec.sources), sources)
+    if memo not in _keys:
+        _keys[memo] = _compute_key(spec)
+    return _keys[memo]
+
+
+def _compute_key(spec: OpSpec) -> str:
     h = hashlib.sha256()
     for part in (torch.__version__, str(torch.version.cuda), _compiler_version(), _target(),
                  " ".join(spec.cflags + spec.ldflags + spec.cuda_cflags)):

@@ -36,6 +36,10 @@ class _FusedCPUOptimizer(torch.optim.Optimizer):
         self._copies: dict[int, torch.Tensor] = {}
         self._use_op = use_op
 
+    def _check_param(self, p: torch.Tensor) -> None:
+        if p.dtype != torch.float32 or p.device.type != "cpu":
+            raise TypeError(f"{type(self).__name__} updates fp32 CPU tensors, got {p.dtype} on {p.device}")
+
     def set_copy_targets(self, copies: dict[int, torch.Tensor]) -> None:
         """{id(master parameter): 16-bit tensor} to be written with each updated master."""
         self._copies = dict(copies)
@@ -57,8 +61,7 @@ class _FusedCPUOptimizer(torch.optim.Optimizer):
     def _gather(self, group: dict):
         params = [p for p in group["params"] if p.grad is not None]
         for p in params:
-            if p.dtype != torch.float32 or p.device.type != "cpu":
-                raise TypeError(f"{type(self).__name__} updates fp32 CPU tensors, got {p.dtype} on {p.device}")
+            self._check_param(p)
             state = self.state[p]
             if not state:
                 state["step"] = torch.zeros((), dtype=torch.float32)

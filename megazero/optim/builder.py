@@ -22,6 +22,16 @@ def _on_cpu(params: list) -> bool:
     return bool(tensors) and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
 
 
+def _on_cuda(params: list) -> bool:
+    """All fp32 CUDA tensors and megazero's CUDA op built."""
+    tensors = [p for group in params for p in (group["params"] if isinstance(group, dict) else [group])]
+    if not tensors or not all(t.is_cuda and t.dtype == torch.float32 for t in tensors):
+        return False
+    from megazero.ops.cuda_ops import cuda_op
+
+    return cuda_op() is not None
+
+
 def _cpu_op_available() -> bool:
     from megazero.ops.cpu_optimizers import cpu_optimizers_op
 
@@ -32,8 +42,9 @@ def build_optimizer(config: OptimizerConfig, params: Iterable) -> torch.optim.Op
     """Adam (DeepSpeed default adam_w_mode=True: decoupled weight decay), AdamW, SGD, Lamb or Adagrad.
 
     On CPU (fp32 masters) Adam/AdamW/Lamb/Adagrad use megazero's fused C++ op (one pass: unscale,
-    update, 16-bit copy) unless `torch_adam: true`; where the op cannot be built, torch's fused
-    Adam (and the pure-torch Lamb/Adagrad) run instead.
+    update, 16-bit copy), on CUDA Adam/AdamW/Lamb its multi-tensor kernels, unless
+    `torch_adam: true`; where the ops cannot be built, torch's fused Adam (and the pure-torch
+    Lamb/Adagrad) run instead.
     """
     from megazero.ops.cpu_optimizers import FusedCPUAdagrad, FusedCPUAdam, FusedCPULamb
 
@@ -44,13 +55,18 @@ def build_optimizer(config: OptimizerConfig, params: Iterable) -> torch.optim.Op
         kwargs["betas"] = tuple(kwargs["betas"])
     torch_only = kwargs.pop("torch_adam", False)
     use_op = not torch_only and _on_cpu(params) and _cpu_op_available()
+    use_cuda_op = not torch_only and kind in ("adam", "adamw", "lamb") and _on_cuda(params)
     if kind in ("adam", "adamw"):
         decoupled = kwargs.pop("adam_w_mode", True) if kind == "adam" else True
         if not kwargs.pop("bias_correction", True):
             raise ValueError("optimizer.params.bias_correction=false is only supported by Lamb")
         kwargs.setdefault("weight_decay", 0.0)  # DeepSpeed's default (torch's AdamW would use 0.01)
-        if use_op and not kwargs.get("amsgrad", False):
+        if (use_op or use_cuda_op) and not kwargs.get("amsgrad", False):
             kwargs.pop("amsgrad", None)
+            if use_cuda_op:
+                from megazero.ops.cuda_ops import FusedCUDAAdam
+
+                return FusedCUDAAdam(params, adamw_mode=decoupled, **kwargs)
             return FusedCPUAdam(params, adamw_mode=decoupled, **kwargs)
         cls = torch.optim.AdamW if decoupled else torch.optim.Adam
         return cls(params, fused=_fused_ok(params), **kwargs)
@@ -58,4 +74,8 @@ def build_optimizer(config: OptimizerConfig, params: Iterable) -> torch.optim.Op
         return torch.optim.SGD(params, **kwargs)
     if kind == "adagrad":
         return FusedCPUAdagrad(params, **kwargs) if use_op else torch.optim.Adagrad(params, **kwargs)
+    if use_cuda_op:
+        from megazero.ops.cuda_ops import FusedCUDALamb
+
+        return FusedCUDALamb(params, **kwargs)
     return FusedCPULamb(params, **kwargs) if use_op else Lamb(params, **kwargs)

@@ -78,12 +78,13 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _sharded_parameter((out_features, in_features), init_method, 0, tp_group, stride)
         self.bias = _sharded_parameter((out_features,), _zeros, 0, tp_group, stride) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
+        """add_bias=False leaves the bias to the caller (e.g. a fused bias + GeLU)."""
         if self.sequence_parallel:
             x = gather_from_sequence_parallel_region(x, self.tp_group)
         else:
             x = copy_to_tensor_parallel_region(x, self.tp_group)
-        y = F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight, self.bias if add_bias else None)
         if not self.gather_output:
             return y
         y = gather_from_tensor_parallel_region(y, self.tp_group)  # [..., rank, stride block, piece]
@@ -160,13 +161,19 @@ class LayerNorm(nn.LayerNorm):
     """nn.LayerNorm whose parameter gradients are summed over the TP group when the activations
     are split along the sequence (each rank then sees only part of the tokens)."""
 
-    def __init__(self, normalized_shape: int, eps: float = 1e-5, tp_group=None, sequence_parallel: bool = False):
+    def __init__(self, normalized_shape: int, eps: float = 1e-5, tp_group=None, sequence_parallel: bool = False,
+                 fused: bool = False):
         super().__init__(normalized_shape, eps=eps)
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel and _rank_and_world(tp_group)[1] > 1
+        self.fused = fused  # megazero's CUDA kernel on GPUs (where it is built)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.sequence_parallel:
+            if self.fused and x.is_cuda:
+                from megazero.ops.cuda_ops import layer_norm
+
+                return layer_norm(x, self.weight, self.bias, self.eps)
             return super().forward(x)
         return F.layer_norm(x, self.normalized_shape, sync_replicated_grad(self.weight, self.tp_group),
                             sync_replicated_grad(self.bias, self.tp_group), self.eps)
