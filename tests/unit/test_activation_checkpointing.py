@@ -45,3 +45,10 @@ def test_dropout_is_really_on():
     assert not all(torch.equal(reference[n], p.grad) for n, p in model.named_parameters())
 
 
+
+
+def test_deepspeed_module_name():
+    import megazero.checkpointing
+
+    assert megazero.checkpointing.checkpoint is ac.checkpoint
+    assert megazero.checkpointing.configure is ac.configure
