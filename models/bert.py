@@ -9,8 +9,7 @@ pipeline stage. Post-LayerNorm (the original BERT) or pre-LayerNorm blocks.
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -20,11 +19,11 @@ from megazero import tensor_parallel as tp
 from megazero.pipeline.partition import balanced_stage_layers
 from megazero.tensor_parallel.random import get_rng_tracker
 from megazero.tensor_parallel.utils import set_tensor_parallel_attributes
-from models.gpt import _check_tp, _seeded, normal_init
+from models.common import ModelConfig, check_tp_group, normal_init, seeded
 
 
 @dataclass
-class BertConfig:
+class BertConfig(ModelConfig):
     """Model shape; vocab_size is padded to a multiple of make_vocab_size_divisible_by x TP."""
 
     vocab_size: int = 8000
@@ -49,30 +48,7 @@ class BertConfig:
             self.ffn_hidden_size = 4 * self.hidden_size
         if self.binary_head not in ("sop", "nsp"):
             raise ValueError(f"binary_head must be 'sop' or 'nsp', got {self.binary_head!r}")
-        for name in ("num_attention_heads", "ffn_hidden_size"):
-            if getattr(self, name) % self.tensor_model_parallel_size:
-                raise ValueError(f"{name} {getattr(self, name)} is not divisible by tensor_model_parallel_size "
-                                 f"{self.tensor_model_parallel_size}")
-
-    @property
-    def padded_vocab_size(self) -> int:
-        """vocab_size rounded up to a multiple of make_vocab_size_divisible_by x TP."""
-        m = self.make_vocab_size_divisible_by * self.tensor_model_parallel_size
-        return ((self.vocab_size + m - 1) // m) * m
-
-    @classmethod
-    def from_json(cls, path: str, **overrides) -> BertConfig:
-        """Read a model config JSON (keys as the fields), with overrides for non-None values."""
-        with open(path) as f:
-            values = json.load(f)
-        unknown = set(values) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"{path}: unknown model config keys {sorted(unknown)}")
-        return cls(**{**values, **{k: v for k, v in overrides.items() if v is not None}})
-
-    def to_dict(self) -> dict:
-        """Plain dict of the fields (for checkpoints and logs)."""
-        return asdict(self)
+        self.check_tensor_parallel()
 
 
 class SelfAttention(nn.Module):
@@ -135,13 +111,13 @@ class Bert(nn.Module):
     def __init__(self, config: BertConfig, tp_group=None, layers: range | None = None, pre_process: bool = True,
                  post_process: bool = True):
         super().__init__()
-        _check_tp(config, tp_group)
+        check_tp_group(config, tp_group)
         self.config, self.tp_group = config, tp_group
         self.layers = layers if layers is not None else range(config.num_layers)
         self.pre_process, self.post_process = pre_process, post_process
         h, eps = config.hidden_size, config.layernorm_epsilon
         base_seed = int(torch.randint(0, 2**31 - 1, (1,), device="cpu"))
-        with _seeded(base_seed):
+        with seeded(base_seed):
             # the MLM output layer is tied to the word embedding: a last stage holds a copy (kept equal
             # by summing both copies' gradients) built from the same seed as the first stage's
             self.wte = tp.VocabParallelEmbedding(config.padded_vocab_size, h, tp_group, init_method=normal_init(0.02))
@@ -155,11 +131,11 @@ class Bert(nn.Module):
                 self.ln_emb = nn.LayerNorm(h, eps=eps)
         blocks = []
         for i in self.layers:
-            with _seeded(base_seed + 1 + i):
+            with seeded(base_seed + 1 + i):
                 blocks.append(Layer(config, tp_group))
         self.blocks = nn.ModuleList(blocks)
         if post_process:
-            with _seeded(base_seed + 1 + config.num_layers):
+            with seeded(base_seed + 1 + config.num_layers):
                 self._build_heads(config)
 
     def _build_heads(self, config: BertConfig) -> None:

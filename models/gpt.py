@@ -15,10 +15,8 @@ single-process model built from the same seed.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -29,10 +27,11 @@ from megazero.activation_checkpointing import checkpoint
 from megazero.ops.cuda_ops import bias_gelu
 from megazero.pipeline.partition import balanced_stage_layers
 from megazero.tensor_parallel.random import get_rng_tracker
+from models.common import ModelConfig, check_tp_group, normal_init, seeded
 
 
 @dataclass
-class GPTConfig:
+class GPTConfig(ModelConfig):
     """Model shape. vocab_size is padded up to a multiple of `make_vocab_size_divisible_by`."""
 
     vocab_size: int = 8000
@@ -58,47 +57,11 @@ class GPTConfig:
             self.ffn_hidden_size = 4 * self.hidden_size
         if self.recompute_granularity not in (None, "full", "selective"):
             raise ValueError(f"recompute_granularity must be 'full' or 'selective', got {self.recompute_granularity!r}")
+        self.check_tensor_parallel()
         tp_size = self.tensor_model_parallel_size
-        for name in ("num_attention_heads", "ffn_hidden_size"):
-            if getattr(self, name) % tp_size:
-                raise ValueError(f"{name} {getattr(self, name)} is not divisible by tensor_model_parallel_size "
-                                 f"{tp_size}")
         if self.sequence_parallel and self.seq_length % tp_size:
             raise ValueError(f"sequence_parallel: seq_length {self.seq_length} is not divisible by "
                              f"tensor_model_parallel_size {tp_size}")
-
-    @property
-    def padded_vocab_size(self) -> int:
-        """vocab_size rounded up to a multiple of make_vocab_size_divisible_by x TP (Megatron's padding)."""
-        m = self.make_vocab_size_divisible_by * self.tensor_model_parallel_size
-        return ((self.vocab_size + m - 1) // m) * m
-
-    @classmethod
-    def from_json(cls, path: str, **overrides) -> GPTConfig:
-        """Read a model config JSON (keys as the fields), with overrides for non-None values."""
-        with open(path) as f:
-            values = json.load(f)
-        unknown = set(values) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"{path}: unknown model config keys {sorted(unknown)}")
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)
-
-    def to_dict(self) -> dict:
-        """Plain dict of the fields (for checkpoints and logs)."""
-        return asdict(self)
-
-
-def normal_init(std: float):
-    """Initialiser drawing N(0, std) (GPT-2 uses 0.02; residual projections 0.02 / sqrt(2 * layers))."""
-    return lambda tensor: nn.init.normal_(tensor, mean=0.0, std=std)
-
-
-def _check_tp(config: GPTConfig, tp_group) -> None:
-    size = tp_group.size() if tp_group is not None else 1
-    if size != config.tensor_model_parallel_size:
-        raise ValueError(f"GPTConfig.tensor_model_parallel_size is {config.tensor_model_parallel_size} but the "
-                         f"tp_group has {size} ranks")
 
 
 class CausalSelfAttention(nn.Module):
@@ -199,14 +162,14 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig, tp_group=None, layers: range | None = None, pre_process: bool = True,
                  post_process: bool = True):
         super().__init__()
-        _check_tp(config, tp_group)
+        check_tp_group(config, tp_group)
         self.config = config
         self.tp_group = tp_group
         self.layers = layers if layers is not None else range(config.num_layers)
         self.pre_process, self.post_process = pre_process, post_process
         # one seed per layer, drawn once: every stage and shard consumes the default generator alike
         base_seed = int(torch.randint(0, 2**31 - 1, (1,), device="cpu"))
-        with _seeded(base_seed):
+        with seeded(base_seed):
             # the output layer is tied to the word embedding: the last stage holds a copy (kept equal
             # by summing both copies' gradients) built from the same seed as the first stage's
             if pre_process or post_process:
@@ -219,7 +182,7 @@ class GPT(nn.Module):
                 nn.init.normal_(self.wpe.weight, mean=0.0, std=0.02)
         blocks = []
         for i in self.layers:
-            with _seeded(base_seed + 1 + i):
+            with seeded(base_seed + 1 + i):
                 blocks.append(Block(config, tp_group))
         self.blocks = nn.ModuleList(blocks)
         if post_process:
@@ -343,16 +306,6 @@ def stage_layers(config: GPTConfig, num_stages: int) -> list[range]:
                                  embedding + 2 * h)
 
 
-def count_parameters(config: GPTConfig) -> int:
-    """Parameters of the whole model (all stages and shards; the tied embedding once), counted on
-    the meta device without allocating anything."""
-    whole = dataclasses.replace(config, tensor_model_parallel_size=1, sequence_parallel=False,
-                                make_vocab_size_divisible_by=config.make_vocab_size_divisible_by
-                                * config.tensor_model_parallel_size)
-    with torch.device("meta"):
-        return GPT(whole).num_parameters()
-
-
 def build_model(config: GPTConfig, grid=None) -> GPT:
     """This rank's part of the model: its tensor-parallel shard of its pipeline stage (the whole
     model without a grid). The one place where the parallel layout shapes the model."""
@@ -360,11 +313,3 @@ def build_model(config: GPTConfig, grid=None) -> GPT:
         return GPT(config)
     layers = stage_layers(config, grid.pipeline_model_parallel_size)[grid.pp_rank]
     return GPT(config, grid.tp_group, layers, pre_process=grid.is_first_stage, post_process=grid.is_last_stage)
-
-
-@contextlib.contextmanager
-def _seeded(seed: int):
-    """Run the block with the default CPU generator seeded to `seed`, restoring it afterwards."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        yield

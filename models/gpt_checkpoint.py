@@ -28,11 +28,7 @@ def saved_model_config(checkpoint_dir: str, tag: str | None = None, config_class
     saved = load_file(files[0]).get("model_config")
     if saved is None:
         raise CheckpointError(f"{files[0]}: no model_config (not saved from a models/ model)")
-    whole = {**saved, "tensor_model_parallel_size": 1, "make_vocab_size_divisible_by":
-             saved["make_vocab_size_divisible_by"] * saved.get("tensor_model_parallel_size", 1)}
-    if "sequence_parallel" in whole:
-        whole["sequence_parallel"] = False
-    return config_class(**whole)
+    return config_class(**saved).whole()
 
 
 def is_bert_checkpoint(checkpoint_dir: str, tag: str | None = None) -> bool:
@@ -42,7 +38,7 @@ def is_bert_checkpoint(checkpoint_dir: str, tag: str | None = None) -> bool:
     return bool(files) and "binary_head" in (load_file(files[0]).get("model_config") or {})
 
 
-def load_gpt(checkpoint_dir: str, tag: str | None = None, model_class=GPT, config_class=GPTConfig):
+def load_model(checkpoint_dir: str, tag: str | None = None, model_class=GPT, config_class=GPTConfig):
     """The whole model from any checkpoint layout (TP shards joined, stages merged, fp32 masters)."""
     config = saved_model_config(checkpoint_dir, tag, config_class)
     with torch.device("meta"):

@@ -31,9 +31,7 @@ def hf_config_dict(config: GPTConfig, bos_token_id: int, eos_token_id: int) -> d
             "layer_norm_epsilon": config.layernorm_epsilon, "initializer_range": 0.02, "scale_attn_weights": True,
             "use_cache": True, "tie_word_embeddings": True, "bos_token_id": bos_token_id,
             "eos_token_id": eos_token_id, "torch_dtype": "float32",
-            "megazero_config": {**config.to_dict(), "tensor_model_parallel_size": 1, "sequence_parallel": False,
-                                "make_vocab_size_divisible_by": config.make_vocab_size_divisible_by
-                                * config.tensor_model_parallel_size}}
+            "megazero_config": config.whole().to_dict()}
 
 
 def to_hf_state_dict(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:

@@ -11,7 +11,6 @@ checkpoint of another layout directly; converting first makes each rank read onl
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 
@@ -28,10 +27,7 @@ from models.gpt import GPT, GPTConfig, stage_layers  # noqa: E402
 
 def stage_parameters(config: GPTConfig, pp: int) -> list[list[StageParameter]]:
     """Each target stage's parameters, in module order, from the stage built on the meta device."""
-    # whole (TP = 1) tensors with the target's vocabulary padding: the shards are cut afterwards
-    whole = dataclasses.replace(config, tensor_model_parallel_size=1, sequence_parallel=False,
-                                make_vocab_size_divisible_by=config.make_vocab_size_divisible_by
-                                * config.tensor_model_parallel_size)
+    whole = config.whole()  # whole tensors with the target's vocabulary padding: the shards are cut afterwards
     stages = []
     for pp_rank, layers in enumerate(stage_layers(whole, pp)):
         with torch.device("meta"):

@@ -9,19 +9,12 @@ import argparse
 import os
 import sys
 
-import torch
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from megazero.profiling import estimate_zero_memory, paper_zero_memory  # noqa: E402
+from models.common import count_parameters  # noqa: E402
 from models.gpt import GPT, GPTConfig  # noqa: E402
-
-
-def count_parameters(model_config: str) -> int:
-    """Parameters of the GPT described by a model config, counted without allocating it."""
-    with torch.device("meta"):
-        return GPT(GPTConfig.from_json(model_config)).num_parameters()
 
 
 def main(argv=None) -> None:
@@ -32,7 +25,7 @@ def main(argv=None) -> None:
     parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="bf16")
     parser.add_argument("--optimizer", default="adam", help="adam, adamw, lamb, sgd")
     args = parser.parse_args(argv)
-    psi = args.num_params or count_parameters(args.model_config)
+    psi = args.num_params or count_parameters(GPT, GPTConfig.from_json(args.model_config))
     gib = 2 ** 30
     print(f"{psi / 1e6:,.1f} M parameters, {args.num_ranks} data-parallel ranks, {args.precision}, {args.optimizer}")
     print(f"{'stage':<7}{'parameters':>12}{'gradients':>12}{'optimizer':>12}{'total GiB':>12}{'ZeRO paper':>12}")

@@ -24,7 +24,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from megazero.data import IndexedDataset, SentencePieceTokenizer  # noqa: E402
-from models.gpt_checkpoint import load_gpt  # noqa: E402
+from models.gpt_checkpoint import load_model  # noqa: E402
 
 
 @torch.no_grad()
@@ -63,7 +63,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--stride", type=int, default=None, help="default: the model's seq_length")
     parser.add_argument("--max-tokens", type=int, default=None, help="evaluate only the first N tokens")
     args = parser.parse_args(argv)
-    model = load_gpt(args.load, args.tag)
+    model = load_model(args.load, args.tag)
     if args.data_path:
         tokens = torch.from_numpy(np.asarray(IndexedDataset(args.data_path).tokens, dtype=np.int64))
     else:

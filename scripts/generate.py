@@ -19,7 +19,7 @@ sys.path.insert(0, REPO)
 import torch  # noqa: E402
 
 from megazero.data import SentencePieceTokenizer  # noqa: E402
-from models.gpt_checkpoint import load_gpt  # noqa: E402
+from models.gpt_checkpoint import load_model  # noqa: E402
 
 
 def main(argv=None) -> str:
@@ -36,7 +36,7 @@ def main(argv=None) -> str:
     parser.add_argument("--no-kv-cache", action="store_true", help="recompute the whole context at every step")
     args = parser.parse_args(argv)
     tokenizer = SentencePieceTokenizer(args.tokenizer_model)
-    model = load_gpt(args.load, args.tag)
+    model = load_model(args.load, args.tag)
     torch.manual_seed(args.seed)
     ids = torch.tensor([tokenizer.encode(args.prompt)], dtype=torch.long)
     out = model.generate(ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

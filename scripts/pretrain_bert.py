@@ -28,7 +28,8 @@ from megazero.data import DistributedBatchLoader, IndexedDataset  # noqa: E402
 from megazero.data.bert_dataset import BertDataset  # noqa: E402
 from megazero.distributed import all_reduce_values  # noqa: E402
 from megazero.profiling import gpt_flops_per_token, measure_peak_flops  # noqa: E402
-from models.bert import BertConfig, build_model  # noqa: E402
+from models.bert import Bert, BertConfig, build_model  # noqa: E402
+from models.common import count_parameters  # noqa: E402
 
 SPECIAL_PIECES = ("[CLS]", "[SEP]", "[MASK]", "[PAD]")
 
@@ -107,10 +108,7 @@ def main(argv=None) -> dict:
         if path and rank == 0:
             print(f"resumed from {path} at iteration {engine.global_steps}", flush=True)
     peak = args.peak_flops or measure_peak_flops(seconds=0.3, cache_path=os.path.join(REPO, ".cache", "peak.json"))
-    with torch.device("meta"):
-        num_params = build_model(BertConfig(**{**config.to_dict(), "tensor_model_parallel_size": 1,
-                                               "make_vocab_size_divisible_by": config.make_vocab_size_divisible_by
-                                               * config.tensor_model_parallel_size})).num_parameters()
+    num_params = count_parameters(Bert, config)
     flops = gpt_flops_per_token(num_params, config.num_layers, config.hidden_size, config.seq_length)
     args.seq_length = config.seq_length
     if rank == 0:

@@ -26,7 +26,8 @@ from megazero.config import load_config_source  # noqa: E402
 from megazero.data import DistributedBatchLoader, GPTDataset, IndexedDataset, SentencePieceTokenizer  # noqa: E402
 from megazero.distributed import all_reduce_values  # noqa: E402
 from megazero.profiling import gpt_flops_per_token, measure_peak_flops  # noqa: E402
-from models.gpt import GPT, GPTConfig, count_parameters  # noqa: E402
+from models.common import count_parameters  # noqa: E402
+from models.gpt import GPT, GPTConfig  # noqa: E402
 from models.gpt import build_model as build_gpt  # noqa: E402
 
 
@@ -299,7 +300,7 @@ def main(argv=None) -> dict:
     stats_path = args.data_path + "_stats.json"
     unigram = json.load(open(stats_path)).get("unigram_entropy_nats") if os.path.exists(stats_path) else None
     peak = args.peak_flops or measure_peak_flops(seconds=0.3, cache_path=os.path.join(REPO, ".cache", "peak.json"))
-    num_params = count_parameters(model.config)
+    num_params = count_parameters(GPT, model.config)
     flops = gpt_flops_per_token(num_params, model.config.num_layers, model.config.hidden_size, args.seq_length)
     if rank == 0:
         print(f"GPT: {num_params:,} parameters, {dist.get_world_size()} ranks = TP {grid.tensor_model_parallel_size}"

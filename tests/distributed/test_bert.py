@@ -102,7 +102,7 @@ def test_export_to_transformers_bert(pools, sentence_prefix, tmp_path):
     from transformers import BertForPreTraining
 
     from models.bert import Bert, BertConfig
-    from models.gpt_checkpoint import load_gpt
+    from models.gpt_checkpoint import load_model
     from scripts.export_hf import main as export
     from tests.bert_helpers import bert_dataset
 
@@ -110,7 +110,7 @@ def test_export_to_transformers_bert(pools, sentence_prefix, tmp_path):
     pools(4).run(train_bert, _config(1, 2), sentence_prefix, 2, (2, 2), None, save)
     export(["--load", save, "--out", str(tmp_path / "hf"), "--tokenizer-model", _bert_tokenizer(tmp_path)])
     hf = BertForPreTraining.from_pretrained(str(tmp_path / "hf")).eval()
-    ours = load_gpt(save, model_class=Bert, config_class=BertConfig)
+    ours = load_model(save, model_class=Bert, config_class=BertConfig)
     samples = [bert_dataset(sentence_prefix)[i] for i in range(4)]
     batch = {k: torch.stack([s[k] for s in samples]) for k in ("input_ids", "token_type_ids", "padding_mask")}
     with torch.no_grad():

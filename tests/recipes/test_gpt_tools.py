@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from models.gpt_checkpoint import load_gpt
+from models.gpt_checkpoint import load_model
 from tests.conftest import CORPUS_PREFIX
 from tests.training_helpers import base_config, build_engine, global_mean, train
 
@@ -26,9 +26,9 @@ def trained(pools, token_dataset_prefix_module, tmp_path_factory):
     return save, result
 
 
-def test_load_gpt_joins_the_layout(trained):
+def test_load_model_joins_the_layout(trained):
     save, result = trained
-    model = load_gpt(save)
+    model = load_model(save)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), result["params"][name], rtol=0, atol=0, msg=name)
 
@@ -39,7 +39,7 @@ def test_evaluate(trained, token_dataset_prefix_module):
 
     save, _ = trained
     result = evaluate(["--load", save, "--data-path", token_dataset_prefix_module, "--max-tokens", "200"])
-    model = load_gpt(save)
+    model = load_model(save)
     tokens = torch.from_numpy(IndexedDataset(token_dataset_prefix_module).tokens[:200].astype("int64"))
     window = model.config.seq_length
     total, count = 0.0, 0
@@ -77,7 +77,7 @@ def test_export_to_transformers_and_back(trained, corpus_prefix, tmp_path):
     save, _ = trained
     export(["--load", save, "--out", str(tmp_path / "hf"), "--tokenizer-model", TOKENIZER])
     hf = GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")).eval()
-    ours = load_gpt(save)
+    ours = load_model(save)
     ids = torch.randint(0, ours.config.vocab_size, (2, ours.config.seq_length),
                         generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

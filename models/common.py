@@ -1,0 +1,80 @@
+"""What models/gpt.py and models/bert.py share: config loading and vocabulary padding, the
+per-layer seeding that makes every shard and stage start as the single-process model, and the
+initialiser."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+
+import torch
+import torch.nn as nn
+
+
+class ModelConfig:
+    """Mixin for the models' config dataclasses (fields vocab_size, make_vocab_size_divisible_by,
+    tensor_model_parallel_size, num_attention_heads, ffn_hidden_size)."""
+
+    def check_tensor_parallel(self) -> None:
+        """Heads and the MLP width must split evenly over the tensor-parallel ranks."""
+        for name in ("num_attention_heads", "ffn_hidden_size"):
+            if getattr(self, name) % self.tensor_model_parallel_size:
+                raise ValueError(f"{name} {getattr(self, name)} is not divisible by tensor_model_parallel_size "
+                                 f"{self.tensor_model_parallel_size}")
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """vocab_size rounded up to a multiple of make_vocab_size_divisible_by x TP (Megatron's padding)."""
+        m = self.make_vocab_size_divisible_by * self.tensor_model_parallel_size
+        return ((self.vocab_size + m - 1) // m) * m
+
+    def whole(self):
+        """The same model at TP = 1 with the same (padded) vocabulary: the shape of the whole tensors."""
+        changes = {"tensor_model_parallel_size": 1,
+                   "make_vocab_size_divisible_by": self.make_vocab_size_divisible_by * self.tensor_model_parallel_size}
+        if hasattr(self, "sequence_parallel"):
+            changes["sequence_parallel"] = False
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_json(cls, path: str, **overrides):
+        """Read a model config JSON (keys as the fields), with overrides for non-None values."""
+        with open(path) as f:
+            values = json.load(f)
+        unknown = set(values) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"{path}: unknown model config keys {sorted(unknown)}")
+        return cls(**{**values, **{k: v for k, v in overrides.items() if v is not None}})
+
+    def to_dict(self) -> dict:
+        """Plain dict of the fields (for checkpoints and logs)."""
+        return dataclasses.asdict(self)
+
+
+def normal_init(std: float):
+    """Initialiser drawing N(0, std) (GPT-2 and BERT use 0.02)."""
+    return lambda tensor: nn.init.normal_(tensor, mean=0.0, std=std)
+
+
+def check_tp_group(config: ModelConfig, tp_group) -> None:
+    """The tp_group a model is built with must have config.tensor_model_parallel_size ranks."""
+    size = tp_group.size() if tp_group is not None else 1
+    if size != config.tensor_model_parallel_size:
+        raise ValueError(f"{type(config).__name__}.tensor_model_parallel_size is {config.tensor_model_parallel_size} "
+                         f"but the tp_group has {size} ranks")
+
+
+@contextlib.contextmanager
+def seeded(seed: int):
+    """Run the block with the default CPU generator seeded to `seed`, restoring it afterwards."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def count_parameters(model_class, config: ModelConfig) -> int:
+    """Parameters of the whole model (all stages and shards; a tied embedding once), counted on the
+    meta device without allocating anything."""
+    with torch.device("meta"):
+        return model_class(config.whole()).num_parameters()
