@@ -31,138 +31,94 @@ def _world(group) -> int:
     return dist.get_world_size(group) if group is not None else 1
 
 
-def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    if _world(group) == 1:
-        return x
-    x = x.contiguous()
+def _identity(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    return x
+
+
+def _all_reduce(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    x = x.clone()  # never sum into the caller's tensor
     dist.all_reduce(x, group=group)
     return x
 
 
-def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    world = _world(group)
-    if world == 1:
-        return x
+def _chunks(x: torch.Tensor, dim: int, world: int) -> tuple[torch.Tensor, ...]:
     if x.shape[dim] % world:
         raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by the tensor-parallel size "
                          f"{world}")
-    return x.chunk(world, dim=dim)[dist.get_rank(group)].contiguous()
+    return x.chunk(world, dim=dim)
+
+
+def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    return _chunks(x, dim, _world(group))[dist.get_rank(group)].contiguous()
 
 
 def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    world = _world(group)
-    if world == 1:
-        return x
     x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(world)]
+    parts = [torch.empty_like(x) for _ in range(_world(group))]
     dist.all_gather(parts, x, group=group)
     return torch.cat(parts, dim=dim)
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    world = _world(group)
-    if world == 1:
-        return x
-    if x.shape[dim] % world:
-        raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by the tensor-parallel size "
-                         f"{world}")
-    stacked = torch.stack(x.chunk(world, dim=dim)).contiguous()  # [world, ...chunk]
+    stacked = torch.stack(_chunks(x, dim, _world(group))).contiguous()  # [world, ...chunk]
     out = torch.empty_like(stacked[0])
     dist.reduce_scatter_single(out.view(-1), stacked.view(-1), group=group)
     return out
 
 
-class _Copy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
+class _Mapping(torch.autograd.Function):
+    """`forward(x, dim, group)` in forward and `backward(grad, dim, group)` in backward: every
+    mapping below is one such pair of collectives."""
 
     @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
-
-
-class _Reduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x.clone(), group)
+    def forward(ctx, x, forward, backward, dim, group):
+        ctx.backward_fn, ctx.dim, ctx.group = backward, dim, group
+        return forward(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return ctx.backward_fn(grad.contiguous(), ctx.dim, ctx.group), None, None, None, None
 
 
-class _Scatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _split(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather(grad, ctx.dim, ctx.group), None, None
-
-
-class _Gather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group, reduce_scatter_grad):
-        ctx.dim, ctx.group, ctx.reduce_scatter_grad = dim, group, reduce_scatter_grad
-        return _gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.reduce_scatter_grad:
-            return _reduce_scatter(grad, ctx.dim, ctx.group), None, None, None
-        return _split(grad, ctx.dim, ctx.group), None, None, None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _reduce_scatter(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather(grad, ctx.dim, ctx.group), None, None
+def _apply(x: torch.Tensor, forward, backward, dim: int, group) -> torch.Tensor:
+    return _Mapping.apply(x, forward, backward, dim, group) if _world(group) > 1 else x
 
 
 def copy_to_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """Identity; the gradient is summed over the group (input of a column-parallel layer)."""
-    return _Copy.apply(x, group) if _world(group) > 1 else x
+    return _apply(x, _identity, _all_reduce, -1, group)
 
 
 def reduce_from_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """Sum over the group; the gradient passes through (output of a row-parallel layer)."""
-    return _Reduce.apply(x, group) if _world(group) > 1 else x
+    return _apply(x, _all_reduce, _identity, -1, group)
 
 
 def scatter_to_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """This rank's slice of the last dimension."""
-    return _Scatter.apply(x, -1, group) if _world(group) > 1 else x
+    return _apply(x, _split, _gather, -1, group)
 
 
 def gather_from_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """Concatenate every rank's x along the last dimension."""
-    return _Gather.apply(x, -1, group, False) if _world(group) > 1 else x
+    return _apply(x, _gather, _split, -1, group)
 
 
 def scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """This rank's slice of the sequence."""
-    return _Scatter.apply(x, SEQUENCE_DIM, group) if _world(group) > 1 else x
+    return _apply(x, _split, _gather, SEQUENCE_DIM, group)
 
 
 def gather_from_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """The whole sequence from every rank's slice; the gradient is reduce-scattered back."""
-    return _Gather.apply(x, SEQUENCE_DIM, group, True) if _world(group) > 1 else x
+    return _apply(x, _gather, _reduce_scatter, SEQUENCE_DIM, group)
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """Sum over the group, each rank keeping its slice of the sequence."""
-    return _ReduceScatter.apply(x, SEQUENCE_DIM, group) if _world(group) > 1 else x
+    return _apply(x, _reduce_scatter, _gather, SEQUENCE_DIM, group)
 
 
 def sync_replicated_grad(param: torch.Tensor, group) -> torch.Tensor:
     """`param` unchanged; its gradient is summed over the group (sequence-parallel LayerNorm/bias)."""
-    return _Copy.apply(param, group) if _world(group) > 1 else param
+    return _apply(param, _identity, _all_reduce, -1, group)
