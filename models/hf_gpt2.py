@@ -34,19 +34,21 @@ def hf_config_dict(config: GPTConfig, bos_token_id: int, eos_token_id: int) -> d
             "megazero_config": config.whole().to_dict()}
 
 
+def name_pairs(num_layers: int):
+    """(megazero name, transformers name, transposed) for every tensor of the model."""
+    for name in ("wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias"):
+        yield name, f"transformer.{name}", False
+    for i in range(num_layers):
+        for ours, theirs, transposed in [(a, b, False) for a, b in _NORMS.items()] + \
+                [(a, b, True) for a, b in _LINEARS.items()]:  # Conv1D weights are input x output
+            yield f"blocks.{i}.{ours}.weight", f"transformer.h.{i}.{theirs}.weight", transposed
+            yield f"blocks.{i}.{ours}.bias", f"transformer.h.{i}.{theirs}.bias", False
+
+
 def to_hf_state_dict(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
     """megazero GPT state dict (TP=1, global names) -> GPT2LMHeadModel state dict (no lm_head: tied)."""
-    out = {"transformer.wte.weight": state["wte.weight"], "transformer.wpe.weight": state["wpe.weight"],
-           "transformer.ln_f.weight": state["ln_f.weight"], "transformer.ln_f.bias": state["ln_f.bias"]}
-    for i in range(config.num_layers):
-        ours, theirs = f"blocks.{i}.", f"transformer.h.{i}."
-        for a, b in _NORMS.items():
-            out[f"{theirs}{b}.weight"] = state[f"{ours}{a}.weight"]
-            out[f"{theirs}{b}.bias"] = state[f"{ours}{a}.bias"]
-        for a, b in _LINEARS.items():
-            out[f"{theirs}{b}.weight"] = state[f"{ours}{a}.weight"].t()  # Conv1D: input x output
-            out[f"{theirs}{b}.bias"] = state[f"{ours}{a}.bias"]
-    return {k: v.contiguous() for k, v in out.items()}
+    return {theirs: (state[ours].t() if transposed else state[ours]).contiguous()
+            for ours, theirs, transposed in name_pairs(config.num_layers)}
 
 
 def from_hf(hf_config: dict, hf_state: dict[str, torch.Tensor]) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
@@ -68,15 +70,7 @@ def from_hf(hf_config: dict, hf_state: dict[str, torch.Tensor]) -> tuple[GPTConf
     if config.padded_vocab_size != vocab:
         raise ValueError(f"vocab_size {vocab} does not match the model config's padded vocabulary "
                          f"{config.padded_vocab_size}")
-    state = {k.removeprefix("transformer."): v for k, v in hf_state.items()}
-    out = {"wte.weight": state["wte.weight"], "wpe.weight": state["wpe.weight"],
-           "ln_f.weight": state["ln_f.weight"], "ln_f.bias": state["ln_f.bias"]}
-    for i in range(config.num_layers):
-        ours, theirs = f"blocks.{i}.", f"h.{i}."
-        for a, b in _NORMS.items():
-            out[f"{ours}{a}.weight"] = state[f"{theirs}{b}.weight"]
-            out[f"{ours}{a}.bias"] = state[f"{theirs}{b}.bias"]
-        for a, b in _LINEARS.items():
-            out[f"{ours}{a}.weight"] = state[f"{theirs}{b}.weight"].t().contiguous()
-            out[f"{ours}{a}.bias"] = state[f"{theirs}{b}.bias"]
-    return config, out
+    # older GPT-2 files store the transformer's tensors without the "transformer." prefix
+    hf_state = {k if k.startswith(("transformer.", "lm_head.")) else f"transformer.{k}": v for k, v in hf_state.items()}
+    return config, {ours: (hf_state[theirs].t() if transposed else hf_state[theirs]).contiguous()
+                    for ours, theirs, transposed in name_pairs(config.num_layers)}
