@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -297,6 +298,20 @@ double sum_of_squares(const G* g, int64_t n) {
 
 }  // namespace
 
+// Checks tensor t of an optimizer step (fp32 contiguous parameter and states, a gradient and an
+// optional 16-bit copy of the same size) and returns its copy, if any.
+static c10::optional<at::Tensor> checked_copy(size_t t, const std::vector<at::Tensor>& params,
+                                       const std::vector<at::Tensor>& grads,
+                                       std::initializer_list<std::pair<const at::Tensor*, const char*>> states,
+                                       const c10::optional<std::vector<at::Tensor>>& copies) {
+  check_master(params[t], "parameter");
+  check_like(grads[t], params[t], "gradient");
+  for (const auto& [state, name] : states) check_master(*state, name);
+  if (!copies.has_value()) return c10::nullopt;
+  check_like((*copies)[t], params[t], "16-bit copy");
+  return (*copies)[t];
+}
+
 void adam_step(std::vector<at::Tensor> params, std::vector<at::Tensor> grads, std::vector<at::Tensor> exp_avgs,
                std::vector<at::Tensor> exp_avg_sqs, c10::optional<std::vector<at::Tensor>> copies, double lr,
                double beta1, double beta2, double eps, double weight_decay, int64_t step, bool adamw,
@@ -308,15 +323,8 @@ void adam_step(std::vector<at::Tensor> params, std::vector<at::Tensor> grads, st
                    static_cast<float>(adamw ? 1.0 - lr * weight_decay : 1.0), static_cast<float>(-lr / bias1),
                    static_cast<float>(1.0 / std::sqrt(bias2)), static_cast<float>(1.0 / grad_scale)};
   for (size_t t = 0; t < params.size(); ++t) {
-    check_master(params[t], "parameter");
-    check_like(grads[t], params[t], "gradient");
-    check_master(exp_avgs[t], "exp_avg");
-    check_master(exp_avg_sqs[t], "exp_avg_sq");
-    c10::optional<at::Tensor> out;
-    if (copies.has_value()) {
-      check_like((*copies)[t], params[t], "16-bit copy");
-      out = (*copies)[t];
-    }
+    const auto out = checked_copy(t, params, grads, {{&exp_avgs[t], "exp_avg"}, {&exp_avg_sqs[t], "exp_avg_sq"}},
+                                  copies);
     dispatch<AdamKernel>(grads[t], out, params[t].data_ptr<float>(), exp_avgs[t].data_ptr<float>(),
                          exp_avg_sqs[t].data_ptr<float>(), params[t].numel(), a);
   }
@@ -332,15 +340,8 @@ void lamb_step(std::vector<at::Tensor> params, std::vector<at::Tensor> grads, st
                    static_cast<float>(1.0 - beta2), static_cast<float>(eps), static_cast<float>(weight_decay),
                    static_cast<float>(bias1), static_cast<float>(bias2), static_cast<float>(grad_scale)};
   for (size_t t = 0; t < params.size(); ++t) {
-    check_master(params[t], "parameter");
-    check_like(grads[t], params[t], "gradient");
-    check_master(exp_avgs[t], "exp_avg");
-    check_master(exp_avg_sqs[t], "exp_avg_sq");
-    c10::optional<at::Tensor> out;
-    if (copies.has_value()) {
-      check_like((*copies)[t], params[t], "16-bit copy");
-      out = (*copies)[t];
-    }
+    const auto out = checked_copy(t, params, grads, {{&exp_avgs[t], "exp_avg"}, {&exp_avg_sqs[t], "exp_avg_sq"}},
+                                  copies);
     dispatch<LambKernel>(grads[t], out, params[t].data_ptr<float>(), exp_avgs[t].data_ptr<float>(),
                          exp_avg_sqs[t].data_ptr<float>(), params[t].numel(), a, static_cast<float>(lr),
                          static_cast<float>(min_coeff), static_cast<float>(max_coeff));
@@ -353,14 +354,7 @@ void adagrad_step(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
   const AdagradArgs a{static_cast<float>(-lr / (1.0 + (step - 1) * lr_decay)), static_cast<float>(eps),
                       static_cast<float>(weight_decay), static_cast<float>(grad_scale)};
   for (size_t t = 0; t < params.size(); ++t) {
-    check_master(params[t], "parameter");
-    check_like(grads[t], params[t], "gradient");
-    check_master(sums[t], "sum");
-    c10::optional<at::Tensor> out;
-    if (copies.has_value()) {
-      check_like((*copies)[t], params[t], "16-bit copy");
-      out = (*copies)[t];
-    }
+    const auto out = checked_copy(t, params, grads, {{&sums[t], "sum"}}, copies);
     dispatch<AdagradKernel>(grads[t], out, params[t].data_ptr<float>(), sums[t].data_ptr<float>(),
                             params[t].numel(), a);
   }
