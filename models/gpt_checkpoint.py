@@ -13,6 +13,7 @@ from megazero.checkpoint.convert import StageParameter, write_converted
 from megazero.checkpoint.engine_state import resolve_tag
 from megazero.checkpoint.io import CheckpointError, load_file
 from megazero.checkpoint.universal import ParameterStates
+from megazero.tensor_parallel.utils import partition_of
 from models.gpt import GPT, GPTConfig
 
 
@@ -63,6 +64,5 @@ def write_gpt_checkpoint(config: GPTConfig, state: dict[str, torch.Tensor], save
               "weights_only": True}
     states = ParameterStates(weights=weights, optimizer={n: {} for n in names}, group_of={n: 0 for n in names},
                              param_groups=[{}], module=dict(weights), engine=engine)
-    stage = [StageParameter(n, getattr(p, "partition_dim", None) if getattr(p, "tensor_model_parallel", False)
-                            else None, getattr(p, "partition_stride", 1)) for n, p in model.named_parameters()]
+    stage = [StageParameter(n, *partition_of(p)) for n, p in model.named_parameters()]
     return write_converted(states, save_dir, tag, [stage], 1, config.to_dict())

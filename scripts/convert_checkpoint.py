@@ -22,6 +22,7 @@ from megazero.checkpoint.convert import StageParameter, write_converted  # noqa:
 from megazero.checkpoint.engine_state import resolve_tag  # noqa: E402
 from megazero.checkpoint.io import CheckpointError  # noqa: E402
 from megazero.checkpoint.universal import read_parameter_states  # noqa: E402
+from megazero.tensor_parallel.utils import partition_of  # noqa: E402
 from models.gpt import GPT, GPTConfig, stage_layers  # noqa: E402
 
 
@@ -32,9 +33,8 @@ def stage_parameters(config: GPTConfig, pp: int) -> list[list[StageParameter]]:
     for pp_rank, layers in enumerate(stage_layers(whole, pp)):
         with torch.device("meta"):
             model = GPT(whole, layers=layers, pre_process=pp_rank == 0, post_process=pp_rank == pp - 1)
-        stages.append([StageParameter(model.global_parameter_name(name),
-                                      p.partition_dim if getattr(p, "tensor_model_parallel", False) else None,
-                                      getattr(p, "partition_stride", 1)) for name, p in model.named_parameters()])
+        stages.append([StageParameter(model.global_parameter_name(name), *partition_of(p))
+                       for name, p in model.named_parameters()])
     return stages
 
 

@@ -10,6 +10,7 @@ from megazero import parallel_state
 from megazero.data import GPTDataset, IndexedDataset
 from megazero.distributed import all_reduce_values
 from megazero.tensor_parallel import merge_shards
+from megazero.tensor_parallel.utils import partition_of
 from megazero.zero import GatheredParameters
 from models.gpt import GPTConfig, build_model
 
@@ -53,8 +54,7 @@ def full_parameters(engine) -> dict[str, torch.Tensor]:
     """The whole model's parameters (TP shards merged, pipeline stages joined, global layer names)."""
     with GatheredParameters(list(engine.module.parameters())):  # whole again under ZeRO-3
         params = {name: p.detach().float().clone() for name, p in engine.module.named_parameters()}
-        meta = {name: (getattr(p, "partition_dim", None), getattr(p, "partition_stride", 1))
-                for name, p in engine.module.named_parameters()}
+        meta = {name: partition_of(p) for name, p in engine.module.named_parameters()}
     grid = engine.grid
     if grid is None:
         return params

@@ -56,7 +56,7 @@ def write_converted(states: ParameterStates, save_dir: str, tag: str, stages: li
                     **{k: v for k, v in states.engine.items() if k not in ("module", "param_meta")},
                     "module": {**{p.name: _shard(states.weights[p.name], p, tp, tp_rank) for p in stage}, **buffers},
                     "layout": {"tp": tp, "pp": pp, "dp": 1, "zero_stage": 0, "tp_rank": tp_rank, "pp_rank": pp_rank},
-                    "tp_rank": tp_rank, "pp_rank": pp_rank, "dp_world_size": 1, "zero_stage": 0, "converted": True,
+                    "dp_world_size": 1, "zero_stage": 0, "converted": True,
                     "param_meta": {p.name: [p.partition_dim, p.stride] for p in stage},
                     "model_config": model_config if model_config is not None else states.engine.get("model_config"),
                 }, os.path.join(tmp, model_file(tp_rank, pp_rank, pp)))

@@ -37,6 +37,7 @@ from megazero.checkpoint.io import (
 from megazero.checkpoint.universal import apply_parameter_states, read_parameter_states, saved_layout
 from megazero.checkpoint.zero_state import load_own_zero_state, same_zero_layout, zero_state
 from megazero.tensor_parallel.random import get_rng_tracker
+from megazero.tensor_parallel.utils import partition_of
 
 MODEL_FILE = model_file()  # the single-process (TP = PP = 1) name
 FORMAT_VERSION = 2
@@ -119,10 +120,7 @@ def _model_state(engine, client_state: dict, names: dict[int, str]) -> dict:
         "format_version": FORMAT_VERSION,
         "module": _module_state(engine),
         "layout": layout_of(engine),
-        "tp_rank": layout_of(engine)["tp_rank"],
-        "pp_rank": layout_of(engine)["pp_rank"],
-        "param_meta": {names[id(p)]: [getattr(p, "partition_dim", None) if getattr(p, "tensor_model_parallel", False)
-                                      else None, getattr(p, "partition_stride", 1)] for p in params.values()},
+        "param_meta": {names[id(p)]: list(partition_of(p)) for p in params.values()},
         "model_config": config.to_dict() if hasattr(config, "to_dict") else None,
         "global_steps": engine.global_steps,
         "global_samples": engine.global_samples,

@@ -73,8 +73,7 @@ def read_parameter_states(path: str) -> ParameterStates:
     files = sorted(glob.glob(os.path.join(path, "mp_rank_*_model_states.pt")))
     if not files:
         raise CheckpointError(f"{path}: no mp_rank_*_model_states.pt files")
-    first = load_file(os.path.join(path, model_file()))if os.path.isfile(os.path.join(path, model_file())) else None
-    layout = saved_layout(first or load_file(files[0]))
+    layout = saved_layout(load_file(files[0]))  # every model file records the same layout
     out = ParameterStates()
     by_rank: dict[int, list] = {}  # pipeline stage -> per tensor rank (weights, optimizer, module)
     for pp_rank in range(layout["pp"]):

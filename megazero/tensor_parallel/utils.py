@@ -39,6 +39,13 @@ def set_tensor_parallel_attributes(param: torch.Tensor, partition_dim: int, stri
     param.partition_stride = stride
 
 
+def partition_of(param: torch.Tensor) -> tuple[int | None, int]:
+    """(partition dimension, stride) of a tensor-parallel parameter; (None, 1) for one every rank holds whole."""
+    if not is_tensor_parallel(param):
+        return None, 1
+    return param.partition_dim, param.partition_stride
+
+
 def is_tensor_parallel(param: torch.Tensor) -> bool:
     """True when `param` is a shard (each TP rank holds a different piece)."""
     return bool(getattr(param, "tensor_model_parallel", False))
