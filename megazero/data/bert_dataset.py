@@ -6,7 +6,9 @@ grouped greedily into chunks of up to seq_length - 3 tokens (at least two senten
 i is chunk order[i] (shuffled per epoch by seed): its sentences split at a point drawn from
 (seed, i) into segment A and segment B; for sentence-order prediction B and A are swapped with
 probability 1/2 (label 1 = swapped); for next-sentence prediction B is replaced with probability
-1/2 by sentences of another document (label 1 = random). Then [CLS] A [SEP] B [SEP], the longer
+1/2 by a chunk drawn uniformly from the chunks of the other documents (label 1 = random; never
+from A's own document, so a "random" B is never A's true continuation or a passage of the same
+text; NSP therefore needs chunks from at least two documents). Then [CLS] A [SEP] B [SEP], the longer
 segment trimmed from its end to fit; 15% of the non-special tokens are selected for the
 masked-LM loss and replaced by [MASK] (80%), a random token (10%) or kept (10%); padding with
 [PAD] to seq_length.
@@ -31,53 +33,74 @@ class BertDataset:
             raise ValueError(f"special token ids missing: {sorted(missing)}")
         self.indexed, self.seq_length, self.special, self.vocab_size = indexed, seq_length, special, vocab_size
         self.seed, self.masked_lm_prob, self.binary_head, self.shuffle = seed, masked_lm_prob, binary_head, shuffle
-        self.chunks = self._build_chunks()
+        if binary_head not in ("sop", "nsp"):
+            raise ValueError(f"binary_head must be 'sop' or 'nsp', got {binary_head!r}")
+        self.chunks, self.chunk_documents = self._build_chunks()
         if not self.chunks:
             raise ValueError(f"{indexed.prefix}: no document has two sentences that fit in seq_length {seq_length}")
+        documents = np.unique(self.chunk_documents)
+        if binary_head == "nsp" and len(documents) < 2:
+            raise ValueError(f"{indexed.prefix}: next-sentence prediction draws the random B from another document, "
+                             f"but only document {int(documents[0])} has chunks (two sentences within seq_length "
+                             f"{seq_length}); use binary_head='sop' or a corpus of several documents")
+        # a document's chunks are contiguous: [first chunk, end chunk) of each chunk's document
+        starts = np.searchsorted(self.chunk_documents, self.chunk_documents, side="left")
+        ends = np.searchsorted(self.chunk_documents, self.chunk_documents, side="right")
+        self._document_chunks = np.stack([starts, ends], axis=1)
         self._orders: dict[int, np.ndarray] = {}
 
-    def _build_chunks(self) -> list[tuple[int, int]]:
-        """(first sentence, end sentence) of every chunk: whole sentences, up to seq_length - 3 tokens."""
+    def _build_chunks(self) -> tuple[list[tuple[int, int]], np.ndarray]:
+        """(first sentence, end sentence) of every chunk: whole sentences, up to seq_length - 3 tokens;
+        and each chunk's document (ascending: chunks are made document by document)."""
         budget = self.seq_length - 3
         docs, sizes = self.indexed.document_indices, self.indexed.sizes
-        chunks = []
+        chunks, documents = [], []
         for d in range(len(docs) - 1):
             start, total = int(docs[d]), 0
             for s in range(int(docs[d]), int(docs[d + 1])):
                 if total and total + sizes[s] > budget:
                     if s - start >= 2:
                         chunks.append((start, s))
+                        documents.append(d)
                     start, total = s, 0
                 total += int(sizes[s])
             if int(docs[d + 1]) - start >= 2:
                 chunks.append((start, int(docs[d + 1])))
-        return chunks
+                documents.append(d)
+        return chunks, np.array(documents, dtype=np.int64)
 
     def __len__(self) -> int:
         """Samples in one epoch."""
         return len(self.chunks)
 
-    def _chunk(self, index: int) -> tuple[int, int]:
+    def _chunk_index(self, index: int) -> int:
         epoch, position = divmod(index, len(self.chunks))
         if not self.shuffle:
-            return self.chunks[position]
+            return position
         if epoch not in self._orders:
             if len(self._orders) > 2:
                 self._orders.clear()
             self._orders[epoch] = np.random.default_rng(self.seed + epoch).permutation(len(self.chunks))
-        return self.chunks[int(self._orders[epoch][position])]
+        return int(self._orders[epoch][position])
+
+    def _other_document_chunk(self, chunk: int, rng: np.random.Generator) -> int:
+        """A chunk drawn uniformly from those of every document but `chunk`'s."""
+        first, end = (int(x) for x in self._document_chunks[chunk])
+        drawn = int(rng.integers(len(self.chunks) - (end - first)))
+        return drawn if drawn < first else drawn + (end - first)  # skip over the own document's chunks
 
     def _sentences(self, first: int, end: int) -> list[int]:
         return [int(t) for s in range(first, end) for t in self.indexed[s]]
 
     def _segments(self, index: int, rng: np.random.Generator) -> tuple[list[int], list[int], int]:
-        first, end = self._chunk(index)
+        chunk = self._chunk_index(index)
+        first, end = self.chunks[chunk]
         split = int(rng.integers(first + 1, end))
         a, b = self._sentences(first, split), self._sentences(split, end)
         if self.binary_head == "sop":
             return (b, a, 1) if rng.random() < 0.5 else (a, b, 0)
-        if rng.random() < 0.5:  # nsp: B from another chunk
-            other_first, other_end = self.chunks[int(rng.integers(len(self.chunks)))]
+        if rng.random() < 0.5:  # nsp: B from another document
+            other_first, other_end = self.chunks[self._other_document_chunk(chunk, rng)]
             return a, self._sentences(other_first, other_end), 1
         return a, b, 0
 
