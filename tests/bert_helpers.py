@@ -16,12 +16,12 @@ TINY_BERT = dict(vocab_size=256, seq_length=32, num_layers=2, hidden_size=64, nu
                  make_vocab_size_divisible_by=64, dropout=0.0)
 
 
-def write_sentence_dataset(prefix: str) -> str:
-    """30 documents of 3-8 sentences; each sentence counts up from a random start (ids 4..255), and
-    each document's sentences start ever higher, so sentence order is learnable."""
-    rng = np.random.default_rng(0)
+def write_sentence_dataset(prefix: str, seed: int = 0, documents: int = 30) -> str:
+    """`documents` documents of 3-8 sentences; each sentence counts up from a random start (ids
+    4..255), and each document's sentences start ever higher, so sentence order is learnable."""
+    rng = np.random.default_rng(seed)
     sentences, doc_idx = [], [0]
-    for _ in range(30):
+    for _ in range(documents):
         start = int(rng.integers(4, 60))
         for _ in range(int(rng.integers(3, 9))):
             length = int(rng.integers(3, 8))
