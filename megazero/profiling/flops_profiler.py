@@ -236,13 +236,16 @@ class FlopsProfiler:
         return number_to_string(seconds) + "s" if as_string else seconds
 
     def print_model_profile(self, module_depth: int = -1, top_modules: int = 1, detailed: bool = True,
-                            output_file: str | None = None) -> str:
+                            output_file: str | None = None, *, profile_step: int | None = None) -> str:
         """The profile as text: totals, the top modules at each depth, and (detailed) the module tree;
-        also written to output_file when given."""
+        also written to output_file when given. profile_step (DeepSpeed's keyword) heads the text.
+        Unlike DeepSpeed's, it returns the text rather than printing it (the engine prints on rank 0)."""
         duration = max(self.get_total_duration(), 1e-12)
-        lines = [f"params: {self.get_total_params():,} | forward MACs: {macs_to_string(self.macs)} | forward FLOPs: "
-                 f"{number_to_string(self.flops)} | backward FLOPs (2x forward): {number_to_string(2 * self.flops)} |"
-                 f" forward latency: {self.get_total_duration(as_string=True)} | "
+        step = f"profile at step {profile_step} | " if profile_step is not None else ""
+        lines = [f"{step}params: {self.get_total_params():,} | forward MACs: {macs_to_string(self.macs)} | "
+                 f"forward FLOPs: {number_to_string(self.flops)} | "
+                 f"backward FLOPs (2x forward): {number_to_string(2 * self.flops)} | "
+                 f"forward latency: {self.get_total_duration(as_string=True)} | "
                  f"forward FLOP/s: {number_to_string(self.flops / duration)}"]
         by_depth: dict[int, list] = {}
         for name, module in self.model.named_modules():

@@ -84,7 +84,8 @@ def test_transformer_layer_counts_every_term():
     assert profiler.stats[block.attn].flops == 2 * profiler.stats[block.attn].macs + SOFTMAX + B * T * 4 * D
     assert profiler.stats[block.ln_1].flops == 5 * B * T * D
     assert profiler.stats[block.mlp].flops == 2 * B * T * 8 * D * D + B * T * 5 * D + GELU
-    text = profiler.print_model_profile(module_depth=1, top_modules=2)
+    text = profiler.print_model_profile(module_depth=1, top_modules=2, profile_step=3)
+    assert text.startswith("profile at step 3 | params: ")
     assert "depth 1: top 2 by MACs: mlp" in text and "attn" in text and "backward FLOPs" in text
     assert F.linear.__name__ == "linear" and F.gelu.__name__ == "gelu"  # torch restored after stop_profile
 
