@@ -65,7 +65,7 @@ def _modify_on_rank_one(prefix: str) -> list:
     with GatheredParameters([weight]):
         seen = weight.detach().clone()
     shard = weight._megazero_shard
-    pieces = [shard.master.detach()[f.partition_start:f.partition_start + f.numel]
+    pieces = [shard.master_flat.detach()[f.partition_start:f.partition_start + f.numel]
               for f in shard.layout.fragments(engine.dp_rank) if f.param is weight]
     return [bool((seen == 0.25).all()), bool(pieces) and all(bool((x == 0.25).all()) for x in pieces)]
 
@@ -84,10 +84,13 @@ def _peak_rss_growth_building(use_init: bool) -> dict:
     with Init(enabled=use_init):
         model = GPT(GPTConfig(**BIG))
     growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
-    shapes = [getattr(p, "_megazero_init_shape", p.shape) for p in model.parameters()]
-    full_bytes = sum(int(torch.Size(shape).numel()) for shape in shapes) * 4
+    def numel(p: torch.nn.Parameter) -> int:
+        return int(torch.Size(getattr(p, "_megazero_init_shape", p.shape)).numel())
+
     held = sum(p.numel() + getattr(p, "_megazero_init_chunk", torch.empty(0)).numel() for p in model.parameters()) * 4
-    return {"growth": growth, "full": full_bytes, "held": held}
+    return {"growth": growth, "full": sum(numel(p) for p in model.parameters()) * 4, "held": held,
+            "layer": sum(numel(p) for p in model.blocks[0].parameters()) * 4,
+            "largest": max(numel(p) for p in model.parameters()) * 4}
 
 
 @pytest.mark.slow
