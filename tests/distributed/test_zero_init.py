@@ -95,8 +95,9 @@ def _peak_rss_growth_building(use_init: bool) -> dict:
 
 @pytest.mark.slow
 def test_init_never_holds_the_whole_model():
-    """A 151M-parameter GPT (605 MB fp32) built on 2 ranks: each rank's peak memory grows by about
-    half of it plus one layer, far below the whole model."""
+    """A 151M-parameter GPT (581 MiB fp32) built on 2 ranks: each rank's peak memory grows by less
+    than half of it (its chunks) plus one layer (the subtree being built, whole until its parent's
+    __init__ returns), far below the whole model."""
     # fresh processes (ru_maxrss is a lifetime peak) in which glibc returns every freed block of 64 KiB
     # or more to the system, so that the peak RSS follows the live tensors rather than heap fragmentation
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
@@ -108,8 +109,9 @@ def test_init_never_holds_the_whole_model():
             pool.close()
     finally:
         del os.environ["MALLOC_MMAP_THRESHOLD_"]
-    for result in measured[True]:  # measured: about 340 MB of 581 MB
+    for result in measured[True]:  # measured: 324 MiB of 581 MiB (half: 290, one layer: 48)
         assert abs(result["held"] - result["full"] / 2) < 0.01 * result["full"]
-        assert result["growth"] < 0.7 * result["full"], (result["growth"] / 2**20, result["full"] / 2**20)
+        bound = result["full"] / 2 + result["layer"]
+        assert result["growth"] < bound, {k: v / 2**20 for k, v in result.items()}
     for result in measured[False]:  # the same measurement sees the whole model without Init
         assert result["growth"] > 0.9 * result["full"], (result["growth"] / 2**20, result["full"] / 2**20)
