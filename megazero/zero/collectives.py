@@ -17,18 +17,28 @@ import torch.distributed as dist
 
 class Traffic:
     """Elements this process has sent and received through these collectives (ring-equivalent
-    volumes: reduce-scatter and all-gather move (N-1)/N of the buffer each way, all-reduce twice that)."""
+    volumes: reduce-scatter and all-gather move (N-1)/N of the buffer each way, all-reduce twice
+    that), and per kind of collective the number of calls and the largest buffer (elements)."""
 
     def __init__(self):
         self.sent = 0
         self.received = 0
+        self.calls: dict[str, int] = {}
+        self.largest: dict[str, int] = {}
 
-    def add(self, sent: int, received: int) -> None:
+    def add(self, sent: int, received: int, kind: str | None = None, numel: int = 0) -> None:
+        """Count one call of `kind` on a buffer of `numel` elements that moved sent/received elements."""
         self.sent += sent
         self.received += received
+        if kind is not None:
+            self.calls[kind] = self.calls.get(kind, 0) + 1
+            self.largest[kind] = max(self.largest.get(kind, 0), numel)
 
     def reset(self) -> None:
+        """Zero every counter."""
         self.sent = self.received = 0
+        self.calls.clear()
+        self.largest.clear()
 
 
 traffic = Traffic()
@@ -40,7 +50,7 @@ def all_reduce(tensor: torch.Tensor, group) -> Handle:
     if world == 1:
         return Handle([])
     moved = 2 * (world - 1) * tensor.numel() // world
-    traffic.add(moved, moved)
+    traffic.add(moved, moved, "all_reduce", tensor.numel())
     return Handle([dist.all_reduce(tensor, group=group, async_op=True)])
 
 
@@ -51,7 +61,13 @@ class Handle:
         self._works = works
         self._finish = finish
 
+    @property
+    def done(self) -> bool:
+        """True once wait() has returned."""
+        return not self._works and self._finish is None
+
     def wait(self) -> None:
+        """Block until the communication is complete, then run the finishing step (once)."""
         for work in self._works:
             work.wait()
         self._works = []
@@ -80,7 +96,7 @@ def reduce_scatter_chunks(buffer: torch.Tensor, group) -> Handle:
     mine = chunks[rank]
     if world == 1:
         return Handle([])
-    traffic.add((world - 1) * mine.numel(), (world - 1) * mine.numel())
+    traffic.add((world - 1) * mine.numel(), (world - 1) * mine.numel(), "reduce_scatter", buffer.numel())
     if uses_native_collectives(group):
         return Handle([dist.reduce_scatter_tensor(mine, buffer, group=group, async_op=True)])
     received = torch.empty((world - 1, chunks.shape[1]), dtype=buffer.dtype, device=buffer.device)
@@ -104,7 +120,7 @@ def all_gather_chunks(buffer: torch.Tensor, group) -> Handle:
     if world == 1:
         return Handle([])
     chunks = buffer.view(world, -1)
-    traffic.add((world - 1) * chunks.shape[1], (world - 1) * chunks.shape[1])
+    traffic.add((world - 1) * chunks.shape[1], (world - 1) * chunks.shape[1], "all_gather", buffer.numel())
     if uses_native_collectives(group):
         return Handle([dist.all_gather_into_tensor(buffer, chunks[rank], group=group, async_op=True)])
     works = [dist.broadcast(chunks[r], src=_global(group, r), group=group, async_op=True) for r in range(world)]

@@ -32,9 +32,10 @@ def _shard_param(p: torch.nn.Parameter, group) -> None:
         return
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     chunk = -(-p.numel() // world)
-    flat = torch.zeros(chunk * world, dtype=p.dtype, device=p.device)
-    flat[:p.numel()] = p.detach().reshape(-1)
-    p._megazero_init_chunk = flat[rank * chunk:(rank + 1) * chunk].clone()
+    # only this rank's slice is copied: no padded copy of the whole parameter, even for a moment
+    mine = p.detach().reshape(-1)[rank * chunk:(rank + 1) * chunk]
+    p._megazero_init_chunk = torch.zeros(chunk, dtype=p.dtype, device=p.device)
+    p._megazero_init_chunk[:mine.numel()] = mine
     p._megazero_init_shape = p.shape
     p._megazero_init_group = group
     p.data = torch.empty(0, dtype=p.dtype, device=p.device)

@@ -2,15 +2,18 @@
 
 Units: every element of an `nn.ModuleList` (the transformer layers) is a unit; the parameters
 outside them (embeddings, final norm, a tied output layer used in the root's own forward) form the
-root unit, gathered for the whole forward and backward. Per unit and optimizer param group, a
-`_Shard` holds this rank's chunk of the flat parameters (model dtype), its fp32 master chunk and
-gradient chunk. A unit's parameters are all-gathered before its forward, released after it,
-gathered again when the gradient of its output arrives (just before its backward), and released
-once all its gradients have been reduce-scattered. Shards under `persistence_threshold` elements
-stay gathered. Once the first step has shown the order the layers run in, the next layer's gather
-is started while the current one computes (forward: the next layer; backward: the previous one),
-for units up to `stage3_prefetch_bucket_size` elements. After the optimizer step only the shards
-change: the next forward gathers anew (persistent shards are all-gathered right away).
+root unit, gathered for the whole forward and backward. Per unit, optimizer param group and
+persistence, a `_Shard` holds this rank's chunks of the flat parameters (model dtype), of the fp32
+master weights and of the gradients, the flat layout cut into buckets of `reduce_bucket_size`.
+A unit's parameters are all-gathered before its forward, released after it, gathered again when
+the gradient of its output arrives (just before its backward), and released once all its
+gradients have been copied into the reduce buckets (`shard_buckets`: reduce-scattered
+`reduce_bucket_size` elements at a time, during backward with `overlap_comm`, synchronously in
+the hook without). Parameters under `stage3_param_persistence_threshold` elements stay gathered,
+as in DeepSpeed. Once the first step has shown the order the layers run in, the next layer's
+gather is started while the current one computes (forward: the next layer; backward: the previous
+one), for units up to `stage3_prefetch_bucket_size` elements. After the optimizer step only the
+shards change: the next forward gathers anew (persistent shards are all-gathered right away).
 """
 
 from __future__ import annotations
@@ -18,13 +21,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megazero.zero.buckets import BucketedGradients, InflightLimit
-from megazero.zero.collectives import Handle, all_gather_chunks, reduce_scatter_chunks
+from megazero.zero.buckets import InflightLimit
+from megazero.zero.collectives import Handle, all_gather_chunks
 from megazero.zero.init import materialize_init_shard
 from megazero.zero.layout import FlatLayout
 from megazero.zero.master_partitions import MasterPartitions
-
-_UNBOUNDED = 1 << 62  # one bucket per shard
+from megazero.zero.shard_buckets import ShardedGradients
 
 
 def _empty_like(p: torch.Tensor) -> torch.Tensor:
@@ -32,36 +34,34 @@ def _empty_like(p: torch.Tensor) -> torch.Tensor:
 
 
 class _Shard:
-    """One (unit, param group): this rank's chunk of the parameters, master weights and gradients."""
+    """One (unit, param group, persistent or not): this rank's chunks of the parameters, of the
+    master weights and of the gradients, over a FlatLayout cut into buckets of `bucket_numel`."""
 
     def __init__(self, params: list[torch.nn.Parameter], group_index: int, group, persistent: bool,
-                 inflight: InflightLimit):
+                 bucket_numel: int):
         self.group_index = group_index
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.layout = FlatLayout(params, _UNBOUNDED, self.world_size)
-        self.bucket = self.layout.buckets[0]
+        self.layout = FlatLayout(params, bucket_numel, self.world_size)
         self.persistent = persistent
         self.dtype, self.device = params[0].dtype, params[0].device
         full = torch.zeros(self.layout.numel, dtype=self.dtype, device=self.device)
         with torch.no_grad():
             for p in params:
                 full[self.layout.offsets[p]:self.layout.offsets[p] + p.numel()].copy_(p.reshape(-1))
-        lo, hi = self.layout.rank_range(self.bucket, self.rank)
-        self.shard = full[lo:hi].clone()
+        self.shard = torch.cat(self.layout.own_chunks(full, self.rank))  # this rank's partition
+        self.shard_views = self.layout.split_partition(self.shard)  # one per bucket
         # fp32 models: the shard is the master weight itself; 16-bit: an fp32 copy
         self.aliased = self.dtype == torch.float32
-        self.master = torch.nn.Parameter(self.shard if self.aliased else self.shard.float())
-        self.masters = [self.master]
-        self.grad_partition = torch.zeros(hi - lo, dtype=torch.float32, device=self.device)
-        self.grad_views = [self.grad_partition]
+        self.master_flat = self.shard if self.aliased else self.shard.float()
+        self.masters = [torch.nn.Parameter(v) for v in self.layout.split_partition(self.master_flat)]
+        self.grad_partition = torch.zeros(self.layout.partition_numel, dtype=torch.float32, device=self.device)
+        self.grad_views = self.layout.split_partition(self.grad_partition)
         self.full: torch.Tensor | None = None
         self._point_params(full)
         if not persistent:
             self.release()
-        self.grads = BucketedGradients(self.layout, self._reduce_scatter, self.world_size, staged=True,
-                                       device=self.device, inflight=inflight)
 
     def _point_params(self, full: torch.Tensor) -> None:
         self.full = full
@@ -70,12 +70,13 @@ class _Shard:
             p.data = full[offset:offset + self.layout.numels[p]].view(self.layout.shapes[p])
 
     def start_gather(self) -> Handle:
-        """All-gather the chunks into a new full buffer; the parameters point into it once waited."""
+        """All-gather the chunks into a new full buffer (one collective per bucket); the parameters
+        point into it once waited."""
         full = torch.empty(self.layout.numel, dtype=self.dtype, device=self.device)
-        lo, hi = self.layout.rank_range(self.bucket, self.rank)
-        full[lo:hi].copy_(self.shard)
-        inner = all_gather_chunks(full, self.group)
-        return Handle([inner], lambda: self._point_params(full))
+        for chunk, own in zip(self.layout.own_chunks(full, self.rank), self.shard_views):
+            chunk.copy_(own)
+        inner = [all_gather_chunks(full[b.start:b.start + b.numel], self.group) for b in self.layout.buckets]
+        return Handle(inner, lambda: self._point_params(full))
 
     def release(self) -> None:
         """Free the full parameters (the Parameter objects stay, holding empty tensors)."""
@@ -88,16 +89,10 @@ class _Shard:
         if self.world_size > 1:
             src = dist.get_global_rank(self.group, src_rank) if self.group is not None else src_rank
             dist.broadcast(self.full, src=src, group=self.group)
-        lo, hi = self.layout.rank_range(self.bucket, self.rank)
         with torch.no_grad():
-            self.shard.copy_(self.full[lo:hi])
+            self.shard.copy_(torch.cat(self.layout.own_chunks(self.full, self.rank)))
             if not self.aliased:
-                self.master.copy_(self.shard)
-
-    def _reduce_scatter(self, bucket, tensor: torch.Tensor) -> Handle:
-        inner = reduce_scatter_chunks(tensor, self.group)
-        mine = tensor.view(self.world_size, -1)[self.rank]
-        return Handle([inner], lambda: self.grad_partition.add_(mine))
+                self.master_flat.copy_(self.shard)
 
 
 class _Unit:
@@ -113,10 +108,12 @@ class _Unit:
         self.numel = sum(s.layout.numel for s in shards if not s.persistent)
         self._pending: list[Handle] = []  # a prefetch in flight
 
-    def prefetch(self) -> None:
-        """Start gathering without waiting (the next gather() waits for it)."""
-        if not self.gathered and not self._pending:
-            self._pending = [s.start_gather() for s in self.shards if not s.persistent]
+    def prefetch(self) -> bool:
+        """Start gathering without waiting (the next gather() waits for it); False if there was nothing to start."""
+        if self.gathered or self._pending:
+            return False
+        self._pending = [s.start_gather() for s in self.shards if not s.persistent]
+        return True
 
     def gather(self) -> None:
         """Make every parameter of the unit whole (no-op when it already is)."""
@@ -146,9 +143,11 @@ class ShardedState(MasterPartitions):
     stage = 3
 
     def __init__(self, model: torch.nn.Module, groups: list[list[torch.nn.Parameter]], group,
-                 persistence_threshold: int, prefetch_numel: int = 50_000_000):
+                 persistence_threshold: int, prefetch_numel: int = 50_000_000,
+                 bucket_numel: int = 500_000_000, overlap: bool = True):
         self.group = group
         self.prefetch_numel = prefetch_numel
+        self.prefetches = 0  # gathers started ahead of use (forward: the next unit; backward: the previous)
         self._trace: list[_Unit] = []  # units in the order the first forward ran them
         self._trace_done = False
         self.world_size = dist.get_world_size(group)
@@ -159,16 +158,19 @@ class ShardedState(MasterPartitions):
         plan = [(model, [p for p in model.parameters() if id(p) not in in_unit], True)]
         plan += [(u, list(u.parameters()), False) for u in unit_roots]
         self.units: list[_Unit] = []
-        inflight = InflightLimit()  # shared by all shards: bounds the gradient staging memory
         for module, params, is_root in plan:
             shards = []
             for gi in range(len(groups)):
                 mine = [p for p in params if group_of.get(id(p)) == gi]
-                if mine:
-                    for p in mine:  # built under zero.Init: whole again, one unit at a time
-                        materialize_init_shard(p, group)
-                    persistent = sum(p.numel() for p in mine) < persistence_threshold
-                    shards.append(_Shard(mine, gi, group, persistent, inflight))
+                for p in mine:  # built under zero.Init: whole again, one unit at a time
+                    materialize_init_shard(p, group)
+                # as in DeepSpeed, parameters under the threshold stay whole (biases, norms: tiny
+                # tensors whose gathers would cost more in latency than they save in memory)
+                whole = [p for p in mine if p.numel() < persistence_threshold]
+                split = [p for p in mine if p.numel() >= persistence_threshold]
+                for persistent, these in ((True, whole), (False, split)):
+                    if these:
+                        shards.append(_Shard(these, gi, group, persistent, bucket_numel))
             unit = _Unit(module, shards, is_root)
             for shard in shards:
                 for p in shard.layout.params:
@@ -176,7 +178,12 @@ class ShardedState(MasterPartitions):
             self.units.append(unit)
         # optimizer state index i <-> self.parts[i]: ordered by param group, then unit
         self.parts = sorted((s for u in self.units for s in u.shards), key=lambda s: s.group_index)
-        self._install_hooks()
+        # backward produces the last layer's gradients first and the root's (embeddings) last
+        backward_order = [s for u in self.units[:0:-1] + self.units[:1] for s in u.shards]
+        device = self.parts[0].device if self.parts else torch.device("cpu")
+        self.grads = ShardedGradients(backward_order, bucket_numel, group, self.world_size, dist.get_rank(group),
+                                      overlap, device, InflightLimit())
+        self._install_hooks()  # after the gradient hooks: a unit is released once its gradients are copied
 
     # ---- hooks ---------------------------------------------------------------------------------
     def _install_hooks(self) -> None:
@@ -194,8 +201,8 @@ class ShardedState(MasterPartitions):
         return self._trace[index] if 0 <= index < len(self._trace) else None
 
     def _prefetch(self, unit: _Unit | None) -> None:
-        if unit is not None and 0 < unit.numel <= self.prefetch_numel:
-            unit.prefetch()
+        if unit is not None and 0 < unit.numel <= self.prefetch_numel and unit.prefetch():
+            self.prefetches += 1
 
     def _before_forward(self, unit: _Unit) -> None:
         unit.gather()
@@ -230,13 +237,12 @@ class ShardedState(MasterPartitions):
     # ---- the engine's interface ------------------------------------------------------------------
     @property
     def bucket_count(self) -> int:
-        """Shards (each reduced as one bucket)."""
-        return len(self.parts)
+        """Reduce-scatters per micro-step (buckets of reduce_bucket_size elements)."""
+        return self.grads.bucket_count
 
     def begin_micro_step(self, boundary: bool) -> None:
-        """Stage 3 reduce-scatters every micro-step."""
-        for s in self.parts:
-            s.grads.sync_this_micro_step = True
+        """Stage 3 reduce-scatters every micro-step, boundary or not."""
+        self.grads.start_micro_step()
 
     def after_backward(self, boundary: bool) -> None:
         """Finish this micro-step's reduce-scatters and free any unit still gathered."""
@@ -245,15 +251,14 @@ class ShardedState(MasterPartitions):
 
     def reduce_gradients(self) -> None:
         """Wait for every shard's reduce-scatter; release what backward left gathered."""
-        for s in self.parts:
-            s.grads.finish_reduction()
+        self.grads.finish_reduction()
         for unit in self.units:
             unit.release()
         self._trace_done = True
 
     def copy_targets(self) -> dict[int, torch.Tensor]:
         """{id(master): its 16-bit parameter shard} the optimizer may write in its update pass."""
-        return {id(s.master): s.shard for s in self.parts if not s.aliased}
+        return {id(m): v for s in self.parts if not s.aliased for m, v in zip(s.masters, s.shard_views)}
 
     def update_model(self, copies_written: bool = False) -> None:
         """Cast the masters into the parameter shards (unless the optimizer already did); re-gather
@@ -261,7 +266,7 @@ class ShardedState(MasterPartitions):
         with torch.no_grad():
             for s in self.parts:
                 if not s.aliased and not copies_written:
-                    s.shard.copy_(s.master)
+                    s.shard.copy_(s.master_flat)
         handles = [s.start_gather() for s in self.parts if s.persistent]
         for h in handles:
             h.wait()
@@ -271,18 +276,17 @@ class ShardedState(MasterPartitions):
         with torch.no_grad():
             for s in self.parts:
                 if not s.aliased:
-                    s.master.copy_(s.shard)
+                    s.master_flat.copy_(s.shard)
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The tensors this rank holds, by kind (shards, and whatever is gathered right now)."""
         params = [s.shard for s in self.parts] + [s.full for s in self.parts if s.full is not None]
         return {"parameters": params, "gradients": [s.grad_partition for s in self.parts],
-                "optimizer": [s.master for s in self.parts if not s.aliased]}
+                "optimizer": [s.master_flat for s in self.parts if not s.aliased]}
 
     def start_window(self) -> None:
         """Discard gradients and start the next accumulation window."""
         for s in self.parts:
-            s.grads.start_window()
             s.grad_partition.zero_()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.precision_bounds import assert_weights_within_format, warmup_lr_sum
 from tests.training_helpers import base_config, build_engine, train
 
 STEPS = 10
@@ -13,7 +14,8 @@ LOSS_RTOL = 1e-5
 PARAM_ATOL = 2e-5
 # bf16: the layouts run different micro-batch sizes through bf16 matmuls (a different blocking, so
 # different roundings at bf16's 2^-8 relative precision); the fp32 master weights keep those from
-# accumulating, and 10 steps stay within 1% of the single-process bf16 losses
+# accumulating, and 10 steps stay within 1% of the single-process bf16 losses; the weights within
+# the bound derived from bf16's unit roundoff, the LRs and AdamW (tests/precision_bounds.py)
 BF16_LOSS_RTOL = 1e-2
 
 
@@ -31,6 +33,11 @@ def _assert_same_run(ref: dict, other: dict, loss_rtol: float = LOSS_RTOL, param
 def reference(pools, token_dataset_prefix_module):
     return pools(1).run(train, base_config(train_micro_batch_size_per_gpu=8), token_dataset_prefix_module,
                         STEPS)[0]
+
+
+@pytest.fixture(scope="module")
+def initial_weights(pools, token_dataset_prefix_module):
+    return pools(1).run(train, base_config(), token_dataset_prefix_module, 0)[0]["params"]
 
 
 @pytest.fixture(scope="module")
@@ -64,10 +71,13 @@ def test_zero_with_accumulation_and_clipping(pools, reference, token_dataset_pre
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_bf16_matches_single_process_bf16(pools, bf16_reference, token_dataset_prefix_module, world_size, stage):
+def test_bf16_matches_single_process_bf16(pools, bf16_reference, initial_weights, token_dataset_prefix_module,
+                                          world_size, stage):
     config = base_config(bf16={"enabled": True}, zero_optimization=_zero(stage))
     for rank_result in pools(world_size).run(train, config, token_dataset_prefix_module, STEPS):
         _assert_same_run(bf16_reference, rank_result, BF16_LOSS_RTOL, None)
+        assert_weights_within_format(rank_result["params"], bf16_reference["params"], initial_weights, "bf16",
+                                     warmup_lr_sum(3e-3, 3, STEPS))
 
 
 def test_gradient_accumulation_4x1_matches_1x4(pools, reference, token_dataset_prefix_module):

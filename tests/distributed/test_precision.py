@@ -10,6 +10,7 @@ import torch
 import megazero
 from megazero.zero import GatheredParameters
 from models.gpt import GPT, GPTConfig
+from tests.precision_bounds import assert_weights_within_format, warmup_lr_sum
 from tests.training_helpers import TINY, base_config, build_engine, train
 
 
@@ -71,7 +72,10 @@ def test_skipped_step_leaves_the_lr_schedule(pools, token_dataset_prefix_module)
 
 
 def test_bf16_and_fp16_track_fp32(pools, token_dataset_prefix_module):
-    """16-bit compute with fp32 master weights: losses within 2% of fp32 over 10 steps."""
+    """16-bit compute with fp32 master weights: losses within 2% of fp32 over 10 steps, and weights
+    within the bound that the format's unit roundoff, the LRs and AdamW give (derived in
+    tests/precision_bounds.py)."""
+    initial = pools(2).run(train, base_config(), token_dataset_prefix_module, 0)[0]["params"]
     results = {}
     for name, extra in (("fp32", {}), ("bf16", {"bf16": {"enabled": True}}),
                         ("fp16", {"fp16": {"enabled": True, "initial_scale_power": 12}})):
@@ -81,6 +85,8 @@ def test_bf16_and_fp16_track_fp32(pools, token_dataset_prefix_module):
             assert abs(a - b) <= 0.02 * a, (name, a, b)
         assert results[name]["losses"][-1] < results[name]["losses"][0] - 0.3
         assert results[name]["skipped"] == 0
+        assert_weights_within_format(results[name]["params"], results["fp32"]["params"], initial, name,
+                                     warmup_lr_sum(3e-3, 3, 10))
 
 
 def _engine_vs_torch(prefix: str) -> float:

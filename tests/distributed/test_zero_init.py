@@ -65,7 +65,7 @@ def _modify_on_rank_one(prefix: str) -> list:
     with GatheredParameters([weight]):
         seen = weight.detach().clone()
     shard = weight._megazero_shard
-    pieces = [shard.master.detach()[f.partition_start:f.partition_start + f.numel]
+    pieces = [shard.master_flat.detach()[f.partition_start:f.partition_start + f.numel]
               for f in shard.layout.fragments(engine.dp_rank) if f.param is weight]
     return [bool((seen == 0.25).all()), bool(pieces) and all(bool((x == 0.25).all()) for x in pieces)]
 
@@ -84,16 +84,20 @@ def _peak_rss_growth_building(use_init: bool) -> dict:
     with Init(enabled=use_init):
         model = GPT(GPTConfig(**BIG))
     growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
-    shapes = [getattr(p, "_megazero_init_shape", p.shape) for p in model.parameters()]
-    full_bytes = sum(int(torch.Size(shape).numel()) for shape in shapes) * 4
+    def numel(p: torch.nn.Parameter) -> int:
+        return int(torch.Size(getattr(p, "_megazero_init_shape", p.shape)).numel())
+
     held = sum(p.numel() + getattr(p, "_megazero_init_chunk", torch.empty(0)).numel() for p in model.parameters()) * 4
-    return {"growth": growth, "full": full_bytes, "held": held}
+    return {"growth": growth, "full": sum(numel(p) for p in model.parameters()) * 4, "held": held,
+            "layer": sum(numel(p) for p in model.blocks[0].parameters()) * 4,
+            "largest": max(numel(p) for p in model.parameters()) * 4}
 
 
 @pytest.mark.slow
 def test_init_never_holds_the_whole_model():
-    """A 151M-parameter GPT (605 MB fp32) built on 2 ranks: each rank's peak memory grows by about
-    half of it plus one layer, far below the whole model."""
+    """A 151M-parameter GPT (581 MiB fp32) built on 2 ranks: each rank's peak memory grows by less
+    than half of it (its chunks) plus one layer (the subtree being built, whole until its parent's
+    __init__ returns), far below the whole model."""
     # fresh processes (ru_maxrss is a lifetime peak) in which glibc returns every freed block of 64 KiB
     # or more to the system, so that the peak RSS follows the live tensors rather than heap fragmentation
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
@@ -105,8 +109,9 @@ def test_init_never_holds_the_whole_model():
             pool.close()
     finally:
         del os.environ["MALLOC_MMAP_THRESHOLD_"]
-    for result in measured[True]:  # measured: about 340 MB of 581 MB
+    for result in measured[True]:  # measured: 324 MiB of 581 MiB (half: 290, one layer: 48)
         assert abs(result["held"] - result["full"] / 2) < 0.01 * result["full"]
-        assert result["growth"] < 0.7 * result["full"], (result["growth"] / 2**20, result["full"] / 2**20)
+        bound = result["full"] / 2 + result["layer"]
+        assert result["growth"] < bound, {k: v / 2**20 for k, v in result.items()}
     for result in measured[False]:  # the same measurement sees the whole model without Init
         assert result["growth"] > 0.9 * result["full"], (result["growth"] / 2**20, result["full"] / 2**20)
