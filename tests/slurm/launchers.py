@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -54,3 +55,17 @@ def header_output_paths(launcher: str) -> list[str]:
     """The --output/--error paths of a launcher's #SBATCH header lines."""
     text = open(os.path.join(REPO, "scripts", launcher)).read()
     return re.findall(r"^#SBATCH\s+(?:--output|--error|-o|-e)[=\s]+(\S+)", text, flags=re.MULTILINE)
+
+
+def run_in_own_session(cmd: list[str], env: dict[str, str], cwd: str, timeout: float) -> subprocess.CompletedProcess:
+    """Run cmd in a new session; on timeout kill the whole session (torchrun's workers too), then fail."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        tail = f"{out[-3000:]}\n{err[-3000:]}"
+        raise AssertionError(f"{' '.join(cmd)} did not finish within {timeout}s\n{tail}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

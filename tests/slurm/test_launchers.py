@@ -10,7 +10,15 @@ import subprocess
 import pytest
 
 from tests.conftest import REPO
-from tests.slurm.launchers import LAUNCHERS, TINY_FLAGS, ensure_data, header_output_paths, losses, user_env
+from tests.slurm.launchers import (
+    LAUNCHERS,
+    TINY_FLAGS,
+    ensure_data,
+    header_output_paths,
+    losses,
+    run_in_own_session,
+    user_env,
+)
 
 
 def test_every_launcher_is_tested():
@@ -39,8 +47,8 @@ def test_bash_runs_the_launcher_on_this_machine(tmp_path, launcher, from_repo_ro
     script = f"scripts/{launcher}" if from_repo_root else os.path.join(REPO, "scripts", launcher)
     env = user_env({"NPROC": "2", "SAVE_DIR": str(tmp_path / "ckpt"), "TB_DIR": str(tmp_path / "tb")},
                    outside_slurm=True)
-    proc = subprocess.run(["bash", script, *TINY_FLAGS[launcher], "--train-iters", "10"], capture_output=True,
-                          text=True, env=env, cwd=REPO if from_repo_root else str(tmp_path), timeout=600)
+    proc = run_in_own_session(["bash", script, *TINY_FLAGS[launcher], "--train-iters", "10"], env,
+                              REPO if from_repo_root else str(tmp_path), timeout=600)
     out = proc.stdout
     assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
     assert "launcher torchrun --standalone, 2 process(es)" in out and "2 ranks" in out, out
