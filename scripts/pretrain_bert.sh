@@ -1,16 +1,27 @@
 #!/usr/bin/env bash
-# Single-machine BERT recipe: one process per CPU core (or per GPU), torchrun --standalone.
-# Extra arguments go to scripts/pretrain_bert.py (e.g. --train-iters 2000 --binary-head nsp).
-# Environment: NPROC, DATA_PATH, SAVE_DIR, TB_DIR, CONFIG (engine JSON), MODEL_CONFIG.
+# BERT recipe on one machine or in a Slurm allocation:
+#   bash scripts/pretrain_bert.sh [flags]     torchrun --standalone, one process per GPU or CPU core
+#   sbatch scripts/pretrain_bert.sh [flags]   one rank per Slurm task (srun); e.g. sbatch --ntasks=2
+# Run both from the repository root; sbatch writes the log to slurm-<job id>.out there.
+# Extra flags go to scripts/pretrain_bert.py (e.g. --train-iters 2000 --binary-head nsp).
+# Environment: NPROC (processes without Slurm), DATA_PATH, SAVE_DIR, TB_DIR, CONFIG (engine JSON),
+# MODEL_CONFIG, PYTHON, OMP_NUM_THREADS; under Slurm also LAUNCHER, NPROC_PER_NODE
+# (see scripts/launch_lib.bash).
 set -euo pipefail
-cd "$(dirname "$0")/.."
-PY=${PYTHON:-.venv/bin/python}
-if [ -z "${NPROC:-}" ]; then
-  NPROC=$("$PY" -c "import torch; print(torch.cuda.device_count() or __import__('os').cpu_count())")
+# Under sbatch, $0 is slurmd's spooled copy of this file: the submit directory stands in for its location.
+ROOT=${MEGAZERO_DIR:-$(dirname "$0")/..}
+[ -n "${MEGAZERO_DIR:-}" ] || [ -f "$ROOT/scripts/launch_lib.bash" ] || ROOT=${SLURM_SUBMIT_DIR:-$ROOT}
+if [ ! -f "$ROOT/scripts/launch_lib.bash" ]; then
+  echo "error: $ROOT is not the megazero repository (no scripts/launch_lib.bash); run sbatch from the" \
+    "repository root (sbatch scripts/pretrain_bert.sh) or set MEGAZERO_DIR" >&2
+  exit 2
 fi
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" scripts/pretrain_bert.py \
+cd "$ROOT"
+source scripts/launch_lib.bash
+
+SAVE_DIR=${SAVE_DIR:-checkpoints/bert_cpu}
+megazero_launch scripts/pretrain_bert.py \
   --model-config "${MODEL_CONFIG:-configs/bert_cpu.json}" --deepspeed_config "${CONFIG:-configs/ds_bert_cpu.json}" \
-  --data-path "${DATA_PATH:-data/bert/shakespeare}" --save "${SAVE_DIR:-checkpoints/bert_cpu}" \
-  --load "${SAVE_DIR:-checkpoints/bert_cpu}" --tensorboard-dir "${TB_DIR:-runs/bert_cpu}" \
+  --data-path "${DATA_PATH:-data/bert/shakespeare}" --save "$SAVE_DIR" --load "$SAVE_DIR" \
+  --tensorboard-dir "${TB_DIR:-runs/bert_cpu}" \
   --train-iters 2000 --train-minutes 10 --eval-interval 200 --save-interval 200 --log-interval 20 "$@"

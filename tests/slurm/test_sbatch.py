@@ -1,4 +1,6 @@
-"""sbatch recipes against a real Slurm (ci/slurm/setup.sh starts one; .ci/run does it in CI).
+"""The launchers submitted as users type them, against a real Slurm (ci/slurm/setup.sh starts one;
+.ci/run does it in CI): `sbatch [README's sbatch flags] scripts/<launcher> [recipe flags]` from the
+repository root, with the default output path, the log read where that default puts it.
 
 Skipped with a reason where no Slurm controller answers, unless MEGAZERO_REQUIRE_SLURM=1.
 """
@@ -13,12 +15,9 @@ import time
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SBATCH = os.path.join(REPO, "scripts", "pretrain_gpt2.sbatch")
-TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-        "--global-batch-size", "8", "--micro-batch-size", "4", "--lr", "0.005", "--log-interval", "5",
-        "--eval-interval", "1000", "--eval-iters", "2", "--save-interval", "1000", "--peak-flops", "1e11",
-        "--sample-tokens", "10"]
+from tests.conftest import REPO
+from tests.slurm.launchers import DEFAULT_LOG, TINY_FLAGS, ensure_data, losses, user_env
+
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
             "DEADLINE"}
 
@@ -39,85 +38,119 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(_why_not is not None, reason=f"{_why_not}; start one with ci/slurm/setup.sh")]
 
 
-def submit(tmp_path, corpus_prefix: str, env: dict, sbatch_flags: list[str] = (), args: list[str] = ()) -> str:
-    """sbatch the GPT-2 recipe with a tiny model; returns the job id."""
-    full_env = {**os.environ, "MEGAZERO_DIR": REPO, "DATA_PATH": corpus_prefix,
-                "SAVE_DIR": str(tmp_path / "ckpt"), "TB_DIR": str(tmp_path / "tb"), **env}
-    cmd = ["sbatch", "--parsable", f"--output={tmp_path}/slurm-%j.out", *sbatch_flags, SBATCH, *TINY, *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=full_env, cwd=str(tmp_path))
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout.strip().split(";")[0]
+class Job:
+    """One submitted job: its id, and its log where the launcher's default output path puts it."""
+
+    def __init__(self, job_id: str, log_path: str):
+        self.id, self.log_path = job_id, log_path
+
+    def log(self) -> str:
+        return open(self.log_path).read() if os.path.exists(self.log_path) else ""
+
+    def fields(self) -> dict[str, str]:
+        out = subprocess.run(["scontrol", "show", "job", "-o", self.id], capture_output=True, text=True).stdout
+        return dict(re.findall(r"(\w+)=(\S*)", out))
+
+    def wait(self, timeout: float = 300.0) -> dict[str, str]:
+        """Poll scontrol every second (sbatch --wait backs off to tens of seconds) until the job ends."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            fields = self.fields()
+            if fields.get("JobState") in TERMINAL:
+                return fields
+            time.sleep(1.0)
+        subprocess.run(["scancel", self.id])
+        raise AssertionError(f"job {self.id} did not finish within {timeout}s: {self.fields()}\n{self.log()[-3000:]}")
+
+    def assert_completed(self) -> str:
+        """Wait, check the job succeeded and that Slurm wrote its log where the default says; the log."""
+        fields = self.wait()
+        log = self.log()
+        assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", f"{fields}\n{log[-4000:]}"
+        assert fields["StdOut"] == self.log_path, fields
+        return log
 
 
-def job_fields(job_id: str) -> dict[str, str]:
-    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
-    return dict(re.findall(r"(\w+)=(\S*)", out))
+@pytest.fixture()
+def submit():
+    """submit(launcher, recipe flags, env, sbatch flags, cwd, script) runs `sbatch [flags] SCRIPT [recipe
+    flags]` in cwd (the repository root unless given), SCRIPT being scripts/<launcher> as typed there;
+    the logs are removed afterwards."""
+    jobs: list[Job] = []
+
+    def run(launcher: str, args=(), env: dict | None = None, sbatch_flags=(), cwd: str = REPO,
+            script: str | None = None) -> Job:
+        ensure_data(launcher)
+        cmd = ["sbatch", *sbatch_flags, script or f"scripts/{launcher}", *args]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=user_env(env or {}), cwd=cwd)
+        assert proc.returncode == 0, proc.stderr
+        job_id = re.fullmatch(r"Submitted batch job (\d+)\s*", proc.stdout).group(1)
+        job = Job(job_id, os.path.join(cwd, DEFAULT_LOG[launcher].format(job=job_id)))
+        jobs.append(job)
+        return job
+
+    yield run
+    for job in jobs:
+        if os.path.exists(job.log_path):
+            os.remove(job.log_path)
 
 
-def wait(job_id: str, timeout: float = 300.0) -> dict[str, str]:
-    """Poll scontrol every second (sbatch --wait backs off to tens of seconds) until the job ends."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        fields = job_fields(job_id)
-        if fields.get("JobState") in TERMINAL:
-            return fields
-        time.sleep(1.0)
-    subprocess.run(["scancel", job_id])
-    raise AssertionError(f"job {job_id} did not finish within {timeout}s: {job_fields(job_id)}")
+def recipe_env(tmp_path, **extra: str) -> dict[str, str]:
+    """Checkpoints and TensorBoard in tmp_path (SAVE_DIR, TB_DIR: the README's variables)."""
+    return {"SAVE_DIR": str(tmp_path / "ckpt"), "TB_DIR": str(tmp_path / "tb"), **extra}
 
 
-def log_of(tmp_path, job_id: str) -> str:
-    return (tmp_path / f"slurm-{job_id}.out").read_text()
-
-
-def losses(log: str) -> list[float]:
-    return [float(x) for x in re.findall(r"\| lm loss: ([0-9.]+) \| learning rate", log)]
-
-
-def assert_completed(fields: dict, log: str) -> None:
-    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", f"{fields}\n{log[-4000:]}"
-
-
-def test_single_node_srun_trains_and_resubmission_resumes(tmp_path, corpus_prefix):
-    job = submit(tmp_path, corpus_prefix, {"TRAIN_ITERS": "30"})
-    fields = wait(job)
-    log = log_of(tmp_path, job)
-    assert_completed(fields, log)
+def test_sbatch_recipe_trains_and_resubmission_resumes(tmp_path, submit):
+    flags = TINY_FLAGS["pretrain_gpt2.sbatch"]
+    log = submit("pretrain_gpt2.sbatch", flags, recipe_env(tmp_path, TRAIN_ITERS="20")).assert_completed()
     assert "launcher srun" in log and "2 ranks" in log
     values = losses(log)
-    assert len(values) == 6 and values[-1] < values[0], log
-    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "global_step30"
+    assert len(values) == 4 and values[-1] < values[0], log
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "global_step20"
 
-    again = submit(tmp_path, corpus_prefix, {"TRAIN_ITERS": "40"})
-    fields = wait(again)
-    log = log_of(tmp_path, again)
-    assert_completed(fields, log)
-    assert "resuming from" in log and "at iteration 30" in log and "iteration     40/40" in log
-    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "global_step40"
+    log = submit("pretrain_gpt2.sbatch", flags, recipe_env(tmp_path, TRAIN_ITERS="25")).assert_completed()
+    assert "resuming from" in log and "at iteration 20" in log and "iteration     25/25" in log
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "global_step25"
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "srun"])
-def test_two_emulated_nodes(tmp_path, corpus_prefix, launcher):
-    job = submit(tmp_path, corpus_prefix, {"TRAIN_ITERS": "10", "LAUNCHER": launcher, "NPROC_PER_NODE": "1"},
+def test_two_emulated_nodes(tmp_path, submit, launcher):
+    job = submit("pretrain_gpt2.sbatch", TINY_FLAGS["pretrain_gpt2.sbatch"],
+                 recipe_env(tmp_path, TRAIN_ITERS="10", LAUNCHER=launcher, NPROC_PER_NODE="1"),
                  ["--nodes=2", "--ntasks-per-node=1"])
-    fields = wait(job)
-    log = log_of(tmp_path, job)
-    assert_completed(fields, log)
-    assert fields["NodeList"] == "n[1-2]" and f"launcher {launcher}, master n1:" in log
+    log = job.assert_completed()
+    assert job.fields()["NodeList"] == "n[1-2]" and f"launcher {launcher}, master n1:" in log
     assert "2 ranks" in log and "iteration     10/10" in log
 
 
-def test_signal_before_the_time_limit_saves_and_exits_cleanly(tmp_path, corpus_prefix):
-    job = submit(tmp_path, corpus_prefix, {"TRAIN_ITERS": "100000"})
+def test_signal_before_the_time_limit_saves_and_exits_cleanly(tmp_path, submit):
+    job = submit("pretrain_gpt2.sbatch", TINY_FLAGS["pretrain_gpt2.sbatch"],
+                 recipe_env(tmp_path, TRAIN_ITERS="100000"))
     deadline = time.time() + 180
-    while not re.search(r"iteration +10/", log_of(tmp_path, job) if (tmp_path / f"slurm-{job}.out").exists()
-                        else ""):
-        assert time.time() < deadline and job_fields(job).get("JobState") not in TERMINAL, log_of(tmp_path, job)
+    while not re.search(r"iteration +10/", job.log()):
+        assert time.time() < deadline and job.fields().get("JobState") not in TERMINAL, job.log()
         time.sleep(0.5)
-    subprocess.run(["scancel", "--signal=USR1", job], check=True)
-    fields = wait(job)
-    log = log_of(tmp_path, job)
-    assert_completed(fields, log)
+    subprocess.run(["scancel", "--signal=USR1", job.id], check=True)
+    log = job.assert_completed()
     saved = re.search(r"received SIGUSR1: checkpoint saved at iteration (\d+), exiting", log)
     assert saved, log[-3000:]
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == f"global_step{saved.group(1)}"
+
+
+@pytest.mark.parametrize("launcher,sbatch_flags,ranks", [("pretrain_gpt2.sh", [], 1), ("pretrain_bert.sh", [], 1),
+                                                         ("pretrain_gpt2.sh", ["--ntasks=2"], 2)],
+                         ids=["gpt2", "bert", "gpt2-ntasks2"])
+def test_sh_launcher_runs_one_rank_per_slurm_task(tmp_path, submit, launcher, sbatch_flags, ranks):
+    job = submit(launcher, (*TINY_FLAGS[launcher], "--train-iters", "10"), recipe_env(tmp_path), sbatch_flags)
+    log = job.assert_completed()
+    assert f"{ranks} task(s), launcher srun" in log and f"{ranks} ranks" in log, log
+    assert "iteration     10/10" in log and len(losses(log)) == 2, log
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "global_step10"
+
+
+@pytest.mark.parametrize("launcher", ["pretrain_gpt2.sh", "pretrain_bert.sh"])
+def test_submitting_from_outside_the_repository_names_the_problem(tmp_path, submit, launcher):
+    job = submit(launcher, cwd=str(tmp_path), script=os.path.join(REPO, "scripts", launcher))
+    fields = job.wait()
+    assert fields["JobState"] == "FAILED" and fields["ExitCode"] == "2:0", fields
+    assert f"error: {tmp_path} is not the megazero repository" in job.log(), job.log()

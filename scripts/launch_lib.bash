@@ -1,0 +1,79 @@
+# Shared by the launchers in scripts/ (sourced from the repository root, never run on its own).
+# megazero_launch RECIPE ARGS... starts RECIPE on the resources it finds:
+#   - in a Slurm allocation (an sbatch job or an salloc shell, not inside an srun step):
+#       LAUNCHER=srun (default): one rank per Slurm task; each rank reads SLURM_PROCID/NTASKS/LOCALID
+#       LAUNCHER=torchrun: one task per node running torchrun, c10d rendezvous on the first node,
+#                          NPROC_PER_NODE processes per node (default SLURM_NTASKS_PER_NODE, else 1)
+#     with OMP_NUM_THREADS = --cpus-per-task, MASTER_ADDR the first host, MASTER_PORT from the job id;
+#   - anywhere else: torchrun --standalone with NPROC processes (default: the GPUs, else the CPU
+#     cores this process may run on) and OMP_NUM_THREADS=1.
+# PYTHON (default .venv/bin/python of the repository) runs the recipe; SAVE_DIR, when set and
+# holding a `latest`, is announced as the checkpoint the run resumes from.
+
+megazero_in_allocation() {
+  # srun steps set SLURM_STEP_ID; the batch script and an salloc shell do not
+  [ -n "${SLURM_JOB_ID:-}" ] && [ -z "${SLURM_STEP_ID:-}" ]
+}
+
+megazero_launch() {
+  local recipe=$1
+  shift
+  PYTHON=${PYTHON:-$(pwd)/.venv/bin/python}
+  if [ ! -x "$PYTHON" ]; then
+    echo "error: no Python interpreter at $PYTHON; run \`make install\` in $(pwd) or set PYTHON" >&2
+    exit 2
+  fi
+  if [ -n "${SAVE_DIR:-}" ] && [ -f "$SAVE_DIR/latest" ]; then
+    echo "resuming from $SAVE_DIR/$(cat "$SAVE_DIR/latest")"
+  fi
+  if megazero_in_allocation; then
+    megazero_launch_slurm "$recipe" "$@"
+  else
+    megazero_launch_standalone "$recipe" "$@"
+  fi
+}
+
+megazero_launch_standalone() {
+  local recipe=$1
+  shift
+  if [ -z "${NPROC:-}" ]; then
+    # the CPUs this process may use (a cgroup or taskset may allow fewer than the machine has)
+    NPROC=$("$PYTHON" -c "import os, torch; print(torch.cuda.device_count() or len(os.sched_getaffinity(0)))")
+  fi
+  # one compute thread per process: the processes share the cores
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+  echo "launcher torchrun --standalone, $NPROC process(es) on $(hostname)"
+  exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" "$recipe" "$@"
+}
+
+megazero_launch_slurm() {
+  local recipe=$1
+  shift
+  local launcher=${LAUNCHER:-srun}
+  MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+  # a fixed port collides between jobs sharing a node
+  MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
+  export MASTER_ADDR MASTER_PORT
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
+  echo "job $SLURM_JOB_ID: $SLURM_JOB_NUM_NODES node(s) [$SLURM_JOB_NODELIST], ${SLURM_NTASKS:-1} task(s)," \
+    "launcher $launcher, master $MASTER_ADDR:$MASTER_PORT"
+  case "$launcher" in
+    srun)
+      # srun forwards --signal and scancel's signals to every task; each rank catches them
+      exec srun --kill-on-bad-exit=1 "$PYTHON" "$recipe" "$@"
+      ;;
+    torchrun)
+      local per_node=${NPROC_PER_NODE:-${SLURM_NTASKS_PER_NODE:-1}}
+      # torchrun itself ignores USR1 (its default action would kill it); its workers catch it
+      exec srun --kill-on-bad-exit=1 --ntasks-per-node=1 --ntasks="$SLURM_JOB_NUM_NODES" \
+        bash -c 'trap "" USR1; exec "$@"' torchrun \
+        "$PYTHON" -m torch.distributed.run --nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$per_node" \
+        --rdzv_backend=c10d --rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv_id="$SLURM_JOB_ID" \
+        "$recipe" "$@"
+      ;;
+    *)
+      echo "error: unknown LAUNCHER=$launcher (use srun or torchrun)" >&2
+      exit 2
+      ;;
+  esac
+}

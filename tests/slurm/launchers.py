@@ -1,0 +1,71 @@
+"""What the launcher tests share: the launchers in scripts/, the README's flags for a tiny model,
+where each launcher's log goes by default, and the environment a user would have."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+# every file in scripts/ that `sbatch` or `bash` runs; test_every_launcher_is_tested keeps it complete
+LAUNCHERS = ("pretrain_gpt2.sbatch", "pretrain_gpt2.sh", "pretrain_bert.sh")
+# the .sbatch names its log in its header (logs/ is committed); sbatch's default is slurm-<id>.out
+# in the directory sbatch was called from
+DEFAULT_LOG = {"pretrain_gpt2.sbatch": "logs/megazero-gpt2-{job}.out",
+               "pretrain_gpt2.sh": "slurm-{job}.out", "pretrain_bert.sh": "slurm-{job}.out"}
+# recipe flags from the README's flag list: a 2-layer model, logging every 5 iterations, no
+# evaluation or checkpoint before the end
+TINY = ("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+        "--log-interval", "5", "--eval-interval", "1000", "--eval-iters", "2", "--save-interval", "1000")
+TINY_FLAGS = {"pretrain_gpt2.sbatch": (*TINY, "--global-batch-size", "8", "--micro-batch-size", "4", "--lr", "0.005"),
+              "pretrain_gpt2.sh": (*TINY, "--global-batch-size", "8", "--micro-batch-size", "4", "--lr", "0.005"),
+              "pretrain_bert.sh": (*TINY, "--global-batch-size", "16", "--micro-batch-size", "8", "--lr", "0.001")}
+# the launchers' own knobs: a test sets only those it means to, as the README documents them
+LAUNCHER_ENV = ("MEGAZERO_DIR", "PYTHON", "LAUNCHER", "NPROC", "NPROC_PER_NODE", "DATA_PATH", "SAVE_DIR",
+                "TB_DIR", "CONFIG", "MODEL_CONFIG", "TRAIN_ITERS", "OMP_NUM_THREADS")
+BERT_PREFIX = os.path.join(REPO, "data", "bert", "shakespeare")
+
+
+def user_env(overrides: dict[str, str], outside_slurm: bool = False) -> dict[str, str]:
+    """The caller's environment without the launchers' knobs (and, outside Slurm, without SLURM_*),
+    plus `overrides`."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in LAUNCHER_ENV and not (outside_slurm and k.startswith("SLURM_") and k != "SLURM_CONF")}
+    return {**env, **overrides}
+
+
+def ensure_data(launcher: str) -> None:
+    """The dataset the launcher's default DATA_PATH names, made by `make data` / `make data-bert`."""
+    target, stamp = (("data-bert", BERT_PREFIX + "_train_text_sentence.idx") if "bert" in launcher else
+                     ("data", os.path.join(REPO, "data", "gpt2", "shakespeare_train_text_document.idx")))
+    if not os.path.exists(stamp):
+        subprocess.run(["make", "-C", REPO, target, f"PYTHON={sys.executable}"], check=True)
+
+
+def losses(log: str) -> list[float]:
+    """Training losses of the console lines."""
+    return [float(x) for x in re.findall(r"\| lm loss: ([0-9.]+) \| learning rate", log)]
+
+
+def header_output_paths(launcher: str) -> list[str]:
+    """The --output/--error paths of a launcher's #SBATCH header lines."""
+    text = open(os.path.join(REPO, "scripts", launcher)).read()
+    return re.findall(r"^#SBATCH\s+(?:--output|--error|-o|-e)[=\s]+(\S+)", text, flags=re.MULTILINE)
+
+
+def run_in_own_session(cmd: list[str], env: dict[str, str], cwd: str, timeout: float) -> subprocess.CompletedProcess:
+    """Run cmd in a new session; on timeout kill the whole session (torchrun's workers too), then fail."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        tail = f"{out[-3000:]}\n{err[-3000:]}"
+        raise AssertionError(f"{' '.join(cmd)} did not finish within {timeout}s\n{tail}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

@@ -1,0 +1,56 @@
+"""The launchers in scripts/ outside Slurm (`bash scripts/<launcher> [flags]`, as the README writes
+it), and what a fresh clone needs for `sbatch scripts/<launcher>` to start at all."""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+
+import pytest
+
+from tests.conftest import REPO
+from tests.slurm.launchers import (
+    LAUNCHERS,
+    TINY_FLAGS,
+    ensure_data,
+    header_output_paths,
+    losses,
+    run_in_own_session,
+    user_env,
+)
+
+
+def test_every_launcher_is_tested():
+    found = {os.path.basename(p) for pattern in ("*.sh", "*.sbatch") for p in glob.glob(f"{REPO}/scripts/{pattern}")}
+    assert found == set(LAUNCHERS), f"scripts/ has launchers {sorted(found)}; the tests know {sorted(LAUNCHERS)}"
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_directories_the_sbatch_headers_write_to_are_in_git(launcher):
+    # Slurm does not create the directory of --output: a job whose log directory is missing on a
+    # fresh clone fails with JobLaunchFailure before the script runs
+    for path in header_output_paths(launcher):
+        directory = os.path.dirname(path)
+        if not directory or os.path.isabs(directory):
+            continue
+        tracked = subprocess.run(["git", "-C", REPO, "ls-files", "--", directory], capture_output=True, text=True,
+                                 check=True).stdout
+        assert tracked.strip(), f"scripts/{launcher} writes its log to {path}, but {directory}/ is not in git"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher,from_repo_root", [("pretrain_gpt2.sh", True), ("pretrain_bert.sh", True),
+                                                     ("pretrain_gpt2.sbatch", False)])
+def test_bash_runs_the_launcher_on_this_machine(tmp_path, launcher, from_repo_root):
+    ensure_data(launcher)
+    script = f"scripts/{launcher}" if from_repo_root else os.path.join(REPO, "scripts", launcher)
+    env = user_env({"NPROC": "2", "SAVE_DIR": str(tmp_path / "ckpt"), "TB_DIR": str(tmp_path / "tb")},
+                   outside_slurm=True)
+    proc = run_in_own_session(["bash", script, *TINY_FLAGS[launcher], "--train-iters", "10"], env,
+                              REPO if from_repo_root else str(tmp_path), timeout=600)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
+    assert "launcher torchrun --standalone, 2 process(es)" in out and "2 ranks" in out, out
+    assert "iteration     10/10" in out and len(losses(out)) == 2, out
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "global_step10"
