@@ -153,11 +153,12 @@ def _check_every_rank_sees(tmp: str, group) -> None:
         return
     _barrier(group)  # rank 0 has made it
     seen = [None] * dist.get_world_size(group)
-    dist.all_gather_object(seen, os.path.isdir(tmp), group=group)
-    blind = [rank for rank, ok in enumerate(seen) if not ok]
+    dist.all_gather_object(seen, (os.path.isdir(tmp), os.path.abspath(tmp)), group=group)
+    blind = [rank for rank, (ok, _) in enumerate(seen) if not ok]
     if blind:
-        raise CheckpointError(f"ranks {blind} cannot see the checkpoint directory {tmp} that rank 0 made: every "
-                              f"rank must pass the same save_dir, on a file system all ranks share")
+        looked = ", ".join(f"rank {rank} looked for {seen[rank][1]}" for rank in blind[:4])
+        raise CheckpointError(f"ranks {blind} cannot see the checkpoint directory {seen[0][1]} that rank 0 made "
+                              f"({looked}): every rank must pass the same save_dir, on a file system all ranks share")
 
 
 @contextlib.contextmanager

@@ -137,3 +137,44 @@ def test_any_tag_str_prints_is_accepted():
     for bad in ("a/b", "", ".hidden", "latest", " padded", "two\nlines"):
         with pytest.raises(CheckpointError, match="invalid checkpoint tag"):
             check_tag(bad)
+
+
+def _load_own_tag(config: dict, load_dir: str, tags: list) -> dict:
+    import torch.distributed as dist
+
+    engine, _ = build_tiny(config)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        path, client = engine.load_checkpoint(load_dir, tags[dist.get_rank()])
+    return {"path": path, "step": client["step"],
+            "warnings": [str(w.message) for w in caught if "checkpoint tag" in str(w.message)]}
+
+
+def test_load_uses_rank_0_tag(pools, tmp_path):
+    pool = pools(2)
+    config = tiny_config(0)
+    part = pool.run(deepspeed_tutorial, config, str(tmp_path), None, None, 3)
+    own = [part[0]["tags"][-1], part[1]["tags"][-1]]  # each rank's own last loss; only rank 0's was saved
+    loaded = pool.run(_load_own_tag, config, str(tmp_path), own)
+    assert [r["path"] for r in loaded] == [str(tmp_path / str(own[0]))] * 2
+    assert [r["step"] for r in loaded] == [2, 2]
+    assert len(loaded[0]["warnings"]) == 1 and f"rank 1 '{own[1]}'" in loaded[0]["warnings"][0]
+
+
+def _save_to_own_dir(config: dict, base: str) -> str:
+    import torch.distributed as dist
+
+    engine, _ = build_tiny(config)
+    try:
+        engine.save_checkpoint(os.path.join(base, f"rank{dist.get_rank()}"), "same")
+    except CheckpointError as e:
+        return str(e)
+    return "saved"
+
+
+def test_a_rank_that_cannot_see_rank_0_directory_fails_on_every_rank(pools, tmp_path):
+    errors = pools(2).run(_save_to_own_dir, tiny_config(0), str(tmp_path))
+    for error in errors:
+        assert error.startswith("ranks [1] cannot see the checkpoint directory") and "rank0/.same.tmp that" in error
+        assert "rank 1 looked for" in error and "rank1/.same.tmp" in error
+    assert not (tmp_path / "rank1").exists()  # rank 1 wrote nothing anywhere

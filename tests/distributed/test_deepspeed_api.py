@@ -296,6 +296,23 @@ def test_save_16bit_model_zero3_gathers_only_when_configured(pools, tmp_path):
             assert torch.equal(weights[name], tensor), name
 
 
+def _save_16bit_model_parallel(prefix: str, save_dir: str) -> str:
+    from tests.training_helpers import base_config, build_engine
+
+    engine, _ = build_engine(base_config(), prefix, layout=(2, 1))
+    try:
+        engine.save_16bit_model(save_dir)
+    except ValueError as e:
+        return str(e)
+    return "saved"
+
+
+def test_save_16bit_model_refuses_a_split_model(pools, token_dataset_prefix_module, tmp_path):
+    for message in pools(2).run(_save_16bit_model_parallel, token_dataset_prefix_module, str(tmp_path)):
+        assert "tensor parallel 2, pipeline 1" in message and "scripts/export_hf.py" in message
+    assert not any(tmp_path.iterdir())
+
+
 # ---- load_checkpoint(load_module_only, load_module_strict) -------------------------------------
 def _module_only(stage: int, save_dir: str) -> dict:
     source, loader = build_tiny(tiny_config(stage, bf16={"enabled": True}))
