@@ -124,6 +124,7 @@ class ZeroConfig:
     stage3_prefetch_bucket_size: int = 50_000_000  # stage 3: prefetch the next layer up to this size (0: off)
     contiguous_gradients: bool = True  # gradient partitions are always one contiguous buffer here
     reduce_scatter: bool = True  # stages 2-3 always reduce-scatter (never all-reduce) the gradients
+    stage3_gather_16bit_weights_on_model_save: bool = False  # save_16bit_model() gathers stage 3's weights
 
     def validate(self, where: str) -> None:
         _require(self.stage in (0, 1, 2, 3), f"'{where}stage' must be 0, 1, 2 or 3, got {self.stage}")
@@ -197,6 +198,22 @@ class ActivationCheckpointingConfig:
                  f"'{where}contiguous_memory_optimization' needs '{where}number_checkpoints' (buffer slots)")
 
 
+TAG_VALIDATION_MODES = ("WARN", "IGNORE", "FAIL")
+
+
+@dataclass
+class CheckpointConfig:
+    """`checkpoint`: how save_checkpoint() treats tags that differ across ranks (DeepSpeed's keys).
+    Every rank uses rank 0's tag; Warn (default) names the ranks that differ, Fail raises, Ignore is silent."""
+
+    tag_validation: str = "WARN"  # Warn | Ignore | Fail, any case (stored upper-case)
+
+    def validate(self, where: str) -> None:
+        _require(self.tag_validation.upper() in TAG_VALIDATION_MODES,
+                 f"'{where}tag_validation' must be one of Warn, Ignore, Fail (any case), got {self.tag_validation!r}")
+        self.tag_validation = self.tag_validation.upper()
+
+
 OPTIMIZER_PARAMS: dict[str, set[str]] = {
     "adam": {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam", "amsgrad", "bias_correction"},
     "adamw": {"lr", "betas", "eps", "weight_decay", "torch_adam", "amsgrad", "bias_correction"},
@@ -263,6 +280,7 @@ class EngineConfig:
     flops_profiler: FlopsProfilerConfig = field(default_factory=FlopsProfilerConfig)
     activation_checkpointing: ActivationCheckpointingConfig | None = None
     seed: int | None = None
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     @property
     def compute_dtype(self):
@@ -296,6 +314,7 @@ _SECTIONS = {
     "wandb": WandbConfig,
     "flops_profiler": FlopsProfilerConfig,
     "activation_checkpointing": ActivationCheckpointingConfig,
+    "checkpoint": CheckpointConfig,
 }
 
 

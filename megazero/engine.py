@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megazero.config import EngineConfig
+from megazero.engine_api import DeepSpeedEngineAPI
 from megazero.monitor import Monitor
 from megazero.parallel_state import ParallelGrid
 from megazero.precision import LossScaler
@@ -27,7 +28,7 @@ from megazero.profiling.timers import Timers
 from megazero.tensor_parallel.utils import is_tensor_parallel
 
 
-class Engine(torch.nn.Module):
+class Engine(DeepSpeedEngineAPI, torch.nn.Module):
     """Wraps a model for data-parallel, mixed-precision training with gradient accumulation.
 
     With a model-parallel `grid`, the module is this rank's tensor-parallel shard of one pipeline
@@ -97,7 +98,10 @@ class Engine(torch.nn.Module):
         return self.loss_scaler.scale
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        """True when the current micro-step's step() will update the weights."""
+        """True when the current micro-step's step() will update the weights (unless overridden by
+        set_gradient_accumulation_boundary)."""
+        if self._boundary_override is not None:
+            return self._boundary_override
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
     # ---- the training step -------------------------------------------------------------
@@ -132,19 +136,21 @@ class Engine(torch.nn.Module):
         return loss
 
     def _backward(self, output: torch.Tensor, output_grad: torch.Tensor | None = None) -> None:
-        boundary = self.is_gradient_accumulation_boundary()
-        self.dp.begin_micro_step(boundary)
+        reduces = self._reduces_this_backward(self.is_gradient_accumulation_boundary())
+        self.dp.begin_micro_step(reduces)
         self.timers("backward").start()
         torch.autograd.backward(output, output_grad)
-        self.dp.after_backward(boundary)
+        self.dp.after_backward(reduces)
         self.timers("backward").stop()
 
     def step(self) -> None:
         """End a micro-step; on the accumulation boundary, update the weights."""
+        self._begin_step()
         if self.is_gradient_accumulation_boundary():
             self.timers("step").start()
             self._optimizer_step()
             self.timers("step").stop()
+            self._step_applied = not self.last_step_overflowed
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
             if self.global_steps % self.config.steps_per_print == 0:
@@ -310,19 +316,23 @@ class Engine(torch.nn.Module):
         return engine_memory_report(self)
 
     # ---- checkpoints -------------------------------------------------------------------
-    def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None,
-                        client_state: dict | None = None) -> str:
-        """Write a checkpoint atomically under save_dir/tag (default 'global_step{N}'); update 'latest'."""
+    def save_checkpoint(self, save_dir: str | os.PathLike, tag=None, client_state: dict | None = None) -> str:
+        """Write a checkpoint atomically under save_dir/str(tag) (default 'global_step{N}'; rank 0's tag on
+        every rank, see the config's checkpoint.tag_validation); update 'latest'."""
         from megazero.checkpoint.engine_state import save_engine_checkpoint
 
         return save_engine_checkpoint(self, save_dir, tag, client_state or {})
 
-    def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None,
-                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True):
-        """Load save_dir/tag (default: the tag named by 'latest'); returns (path, client_state).
+    def load_checkpoint(self, load_dir: str | os.PathLike, tag=None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False):
+        """Load load_dir/str(tag) (default: the tag named by 'latest'); returns (path, client_state).
 
-        Returns (None, None) when there is no checkpoint to load.
+        DeepSpeed's arguments, in its order: load_module_strict (module keys must match),
+        load_module_only (weights and buffers only: optimizer, schedule, counters and RNG stay as they
+        are). Returns (None, None) when there is no checkpoint to load.
         """
         from megazero.checkpoint.engine_state import load_engine_checkpoint
 
-        return load_engine_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
+        return load_engine_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
+                                      load_module_strict, load_module_only)

@@ -27,6 +27,7 @@ import torch
 from megazero.checkpoint.files import model_file, optim_file, rng_file, zero_file
 from megazero.checkpoint.io import (
     CheckpointError,
+    agree_on_tag,
     atomic_checkpoint_dir,
     check_plain,
     check_tag,
@@ -38,6 +39,7 @@ from megazero.checkpoint.universal import apply_parameter_states, read_parameter
 from megazero.checkpoint.zero_state import load_own_zero_state, same_zero_layout, zero_state
 from megazero.tensor_parallel.random import get_rng_tracker
 from megazero.tensor_parallel.utils import partition_of
+from megazero.zero.init import GatheredParameters
 
 MODEL_FILE = model_file()  # the single-process (TP = PP = 1) name
 FORMAT_VERSION = 2
@@ -91,10 +93,14 @@ def _files(engine) -> tuple[str, str, str]:
     return model_file(*where), optim_file(*where), zero_file(engine.dp_rank, *where)
 
 
-def save_engine_checkpoint(engine, save_dir, tag: str | None, client_state: dict) -> str:
-    """Collective: every rank of the engine's world calls it. Returns the published directory."""
+def save_engine_checkpoint(engine, save_dir, tag, client_state: dict) -> str:
+    """Collective: every rank of the engine's world calls it. Returns the published directory.
+
+    The tag is str(tag) (default 'global_step{N}'), and rank 0's on every rank (checkpoint.tag_validation
+    says whether ranks with another tag are named in a warning or an error)."""
     save_dir = os.fspath(save_dir)
-    tag = check_tag(tag or f"global_step{engine.global_steps}")
+    tag = agree_on_tag(tag, engine.config.checkpoint.tag_validation)
+    tag = check_tag(f"global_step{engine.global_steps}" if tag is None else tag)
     check_plain(client_state)
     names = global_names(engine.module)
     model_name, optim_name, zero_name = _files(engine)
@@ -147,13 +153,13 @@ def _module_state(engine) -> dict:
     return {rename(k): v for k, v in state.items()}
 
 
-def resolve_tag(load_dir: str, tag: str | None) -> str | None:
-    """The tag to load: the given one, else the one named by `latest` (None if there is none)."""
+def resolve_tag(load_dir: str, tag) -> str | None:
+    """The tag to load: str(tag), else the one named by `latest` (None if there is none)."""
     if tag is None:
         tag = read_latest(load_dir)
         if tag is None:
             return None
-    check_tag(tag)
+    tag = check_tag(tag)
     path = os.path.join(load_dir, tag)
     old = os.path.join(load_dir, f".{tag}.old")
     if not os.path.isdir(path) and os.path.isdir(old):
@@ -171,11 +177,13 @@ def _read_model_state(path: str, name: str) -> dict:
     return state
 
 
-def load_engine_checkpoint(engine, load_dir, tag: str | None, load_optimizer_states: bool,
-                           load_lr_scheduler_states: bool):
-    """Restore an engine from load_dir/tag; returns (path, client_state) or (None, None)."""
+def load_engine_checkpoint(engine, load_dir, tag, load_optimizer_states: bool, load_lr_scheduler_states: bool,
+                           load_module_strict: bool = True, load_module_only: bool = False):
+    """Restore an engine from load_dir/tag (rank 0's tag on every rank, as when saving); returns
+    (path, client_state) or (None, None). load_module_only: the module's weights and buffers only;
+    load_module_strict: the checkpoint's module keys must match the model's (DeepSpeed's meanings)."""
     load_dir = os.fspath(load_dir)
-    tag = resolve_tag(load_dir, tag)
+    tag = resolve_tag(load_dir, agree_on_tag(tag, engine.config.checkpoint.tag_validation))
     if tag is None:
         warnings.warn(f"no 'latest' file in {load_dir}: nothing to load, starting from scratch", stacklevel=3)
         return None, None
@@ -187,6 +195,9 @@ def load_engine_checkpoint(engine, load_dir, tag: str | None, load_optimizer_sta
     if state.get("weights_only"):  # imported weights (scripts/import_hf.py): the rest starts afresh
         apply_parameter_states(engine, read_parameter_states(path), False, global_names(engine.module))
         return path, state["client_state"]
+    if load_module_only:
+        _load_module_only(engine, path, state, load_module_strict)
+        return path, state["client_state"]
     saved = saved_layout(state)
     # weights only: always per parameter (the ZeRO-3 module file holds no parameters)
     same = (all(saved[k] == mine[k] for k in ("tp", "pp", "dp", "zero_stage")) and not state.get("converted")
@@ -196,7 +207,7 @@ def load_engine_checkpoint(engine, load_dir, tag: str | None, load_optimizer_sta
         zero = load_file(os.path.join(path, zero_name))
         same = same_zero_layout(engine, zero, names)
     if same:
-        _load_same_layout(engine, path, state, optim_name, zero_name, load_optimizer_states)
+        _load_same_layout(engine, path, state, optim_name, zero_name, load_module_strict)
     else:
         apply_parameter_states(engine, read_parameter_states(path), load_optimizer_states, names)
         engine.module.load_state_dict(_local_buffers(engine, state), strict=False)
@@ -227,12 +238,57 @@ def _local_buffers(engine, state: dict) -> dict:
     return {local[k]: v for k, v in state["module"].items() if k in local}
 
 
-def _load_same_layout(engine, path: str, state: dict, optim_name: str, zero_name: str,
-                      load_optimizer_states: bool) -> None:
+def _load_module_state(engine, path: str, state: dict, strict: bool) -> None:
+    """The model file's module state into the engine's module (global names mapped to local ones;
+    keys the model lacks are passed on as they are, for strict loading to name them)."""
     rename = getattr(engine.module, "global_parameter_name", None) or (lambda name: name)
     local = {rename(k): k for k in engine.module.state_dict()}
-    engine.module.load_state_dict({local[k]: v for k, v in state["module"].items() if k in local},
-                                  strict=engine.dp.stage != 3)
+    try:
+        engine.module.load_state_dict({local.get(k, k): v for k, v in state["module"].items()}, strict=strict)
+    except RuntimeError as e:
+        raise CheckpointError(f"{path}: {e} (load_checkpoint(..., load_module_strict=False) skips such keys)") from e
+
+
+def _load_module_only(engine, path: str, state: dict, strict: bool) -> None:
+    """Weights and buffers only: optimizer, schedule, counters, loss scale and RNG keep their state.
+    At the saved tensor/pipeline layout, without ZeRO-3 on either side, the model file holds this
+    rank's whole module; otherwise the weights are reassembled per parameter (strict only)."""
+    saved, mine = saved_layout(state), layout_of(engine)
+    if (saved["tp"], saved["pp"]) == (mine["tp"], mine["pp"]) and 3 not in (saved["zero_stage"], mine["zero_stage"]) \
+            and not state.get("converted"):
+        _load_module_state(engine, path, state, strict)
+        engine.dp.reset_masters()
+        return
+    if not strict:
+        raise CheckpointError(f"{path}: load_module_strict=False needs the saved tensor/pipeline layout and no ZeRO-3 "
+                              f"(saved {saved}, engine {mine}): the weights are matched per parameter here")
+    apply_parameter_states(engine, read_parameter_states(path), False, global_names(engine.module))
+    engine.module.load_state_dict(_local_buffers(engine, state), strict=False)
+
+
+def module_weights(engine) -> dict[str, torch.Tensor] | None:
+    """Collective: the whole module's state dict in its own dtype (copies), on global rank 0; None on
+    the other ranks. Under ZeRO-3 each layer (an element of an nn.ModuleList, as ZeRO-3 cuts units)
+    is gathered in turn, so the other ranks never hold more than one layer whole."""
+    module = engine.module
+    is_writer = engine.global_rank == 0
+    layers = [list(child.parameters()) for m in module.modules() if isinstance(m, torch.nn.ModuleList) for child in m]
+    in_layers = {id(p) for layer in layers for p in layer}
+    groups = [[p for p in module.parameters() if id(p) not in in_layers]] + layers
+    copies: dict[int, torch.Tensor] = {}
+    for params in groups:
+        with GatheredParameters(params):  # a no-op for parameters ZeRO-3 does not partition
+            if is_writer:
+                copies.update({id(p): p.detach().clone() for p in params})
+    if not is_writer:
+        return None
+    # tied names share one copy, so torch.save keeps them tied
+    return {name: copies[id(t)] if id(t) in copies else t.detach().clone()
+            for name, t in module.state_dict(keep_vars=True).items()}
+
+
+def _load_same_layout(engine, path: str, state: dict, optim_name: str, zero_name: str, strict: bool) -> None:
+    _load_module_state(engine, path, state, strict and engine.dp.stage != 3)
     if engine.dp.stage == 0:
         _load_replicated_optimizer(engine, os.path.join(path, optim_name))
     else:
