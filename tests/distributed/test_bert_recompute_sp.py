@@ -89,16 +89,18 @@ def test_sequence_parallel_recompute_is_bit_exact_at_tp2(pools, sentence_prefix)
 STEPS = 4
 
 
-@pytest.mark.parametrize("post_layer_norm", [True, False])
-def test_tp2_sequence_parallel_matches_single_process(pools, sentence_prefix, post_layer_norm):
-    """Dropout 0 here: under SP each rank draws its own masks for its part of the sequence (as
-    Megatron does), so no single-process run has the same masks; with dropout on, exactness is
-    the recompute test above."""
-    config = base_config(train_micro_batch_size_per_gpu=8)
+@pytest.mark.parametrize("post_layer_norm, layout, micro", [(True, (2, 1), 8), (False, (2, 1), 8),
+                                                          (True, (2, 2), 2)])
+def test_tp2_sequence_parallel_matches_single_process(pools, sentence_prefix, post_layer_norm, layout, micro):
+    """TP=2 + SP (and TP=2 x PP=2 + SP: the stages pass sequence slices) against one process at the
+    same micro-batch size. Dropout 0 here: under SP each rank draws its own masks for its part of
+    the sequence (as Megatron does), so no single-process run has the same masks; with dropout on,
+    exactness is the recompute test above."""
+    config = base_config(train_micro_batch_size_per_gpu=micro)
     model = {"post_layer_norm": post_layer_norm}
     reference = pools(1).run(train_bert, config, sentence_prefix, STEPS, None, model)[0]
-    for result in pools(2).run(train_bert, config, sentence_prefix, STEPS, (2, 1),
-                               {**model, "sequence_parallel": True}):
+    for result in pools(layout[0] * layout[1]).run(train_bert, config, sentence_prefix, STEPS, layout,
+                                                   {**model, "sequence_parallel": True}):
         for a, b in zip(reference["losses"], result["losses"]):
             assert abs(a - b) <= 1e-5 * abs(a), (reference["losses"], result["losses"])
         for key, value in reference["params"].items():
