@@ -101,6 +101,8 @@ def engine_config(args: argparse.Namespace) -> dict:
             scheduler["params"]["warmup_max_lr"] = args.lr
     if config.get("scheduler", {}).get("type") in ("WarmupDecayLR", "WarmupCosineLR"):
         config["scheduler"]["params"]["total_num_steps"] = args.train_iters
+    if args.bf16 or args.fp16:
+        config.pop("bfloat16", None)  # the flag decides; the old spelling must not contradict it
     if args.bf16:
         config["bf16"] = {"enabled": True}
         config.pop("fp16", None)
