@@ -46,12 +46,14 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     `config` is a dict or JSON path (or comes from args.megazero_config / args.deepspeed_config).
     `optimizer` may be a built optimizer, or a callable taking param groups; otherwise the config's
     `optimizer` block builds one over `model_parameters` (params or param-group dicts; default:
-    all model parameters). The optimizer ends up over fp32 master weights (partitioned under ZeRO).
-    `lr_scheduler` may be a scheduler or a callable taking the optimizer; otherwise the config's
-    `scheduler` block builds one. `mpu` supplies get_data_parallel_group() when model parallelism
-    is in use (pass `megazero.parallel_state` after initialize_model_parallel()); ZeRO then
-    partitions over the data-parallel group only, and with pipeline stages train_batch() runs the
-    1F1B schedule. Otherwise the whole world is the data-parallel group.
+    all model parameters; a built optimizer keeps its own groups, with a warning when
+    model_parameters differs). The optimizer ends up over fp32 master weights (partitioned under
+    ZeRO). `lr_scheduler` may be a scheduler or a callable taking the optimizer; otherwise the
+    config's `scheduler` block builds one (given both, the passed one wins, with a warning).
+    `mpu` supplies get_data_parallel_group() when model parallelism is in use (pass
+    `megazero.parallel_state` after initialize_model_parallel()); ZeRO then partitions over the
+    data-parallel group only, and with pipeline stages train_batch() runs the 1F1B schedule.
+    Otherwise the whole world is the data-parallel group.
     """
     from megazero.data.loader import DistributedBatchLoader
     from megazero.optim import build_optimizer, build_scheduler
@@ -91,6 +93,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
             group["params"] = new["params"]
     else:
         optimizer = optimizer(optimizer_groups)
+    _warn_client_scheduler_wins(lr_scheduler, engine_config)
     if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
         lr_scheduler = lr_scheduler(optimizer)
     elif lr_scheduler is None and engine_config.scheduler is not None:
@@ -116,6 +119,30 @@ def _check_model_parallel(grid, config: EngineConfig) -> None:
                       f"pipeline bubble", stacklevel=3)
 
 
+def _warn_client_scheduler_wins(lr_scheduler, config: EngineConfig) -> None:
+    """As DeepSpeed (>= 0.9) does, a scheduler passed to initialize() replaces the config's
+    `scheduler` block; say so rather than drop the block silently."""
+    if lr_scheduler is not None and config.scheduler is not None:
+        warnings.warn(f"initialize(lr_scheduler=...) is used and the config's 'scheduler' block "
+                      f"({config.scheduler.type}) is ignored; remove one of them", stacklevel=3)
+
+
+def _warn_model_parameters_ignored(model_parameters, optimizer: torch.optim.Optimizer) -> None:
+    """A built optimizer brings its own param groups (DeepSpeed then ignores model_parameters too):
+    warn when model_parameters says something else, i.e. other parameters or group options."""
+    if model_parameters is None:
+        return
+    items = list(model_parameters)
+    given = [p for item in items for p in (item["params"] if isinstance(item, dict) else [item])]
+    options = any(isinstance(item, dict) and set(item) - {"params"} for item in items)
+    trained = [p for group in optimizer.param_groups for p in group["params"]]
+    if options or {id(p) for p in given} != {id(p) for p in trained}:
+        warnings.warn(f"initialize(model_parameters=...) is ignored: the optimizer passed to initialize() "
+                      f"({type(optimizer).__name__}) trains its own {len(optimizer.param_groups)} param group(s) of "
+                      f"{len(trained)} tensors (model_parameters named {len(given)} tensors"
+                      f"{' with group options' if options else ''})", stacklevel=4)
+
+
 def _config_source(args, config):
     if config is not None:
         return config
@@ -135,6 +162,7 @@ def _param_groups(optimizer, model_parameters, model: torch.nn.Module, config: E
         if optimizer.state:
             raise ValueError("pass an optimizer that has not stepped yet: its state would not match the master "
                              "weights the engine creates")
+        _warn_model_parameters_ignored(model_parameters, optimizer)
         groups = [{k: v for k, v in g.items() if k != "params"} | {"params": list(g["params"])}
                   for g in optimizer.param_groups]
     else:

@@ -14,14 +14,23 @@ calls it with the config's `activation_checkpointing` block):
 - `contiguous_memory_optimization` (with partition_activations, as in DeepSpeed): the saved pieces
   are copied into one preallocated buffer of `number_checkpoints` slots instead of separate
   allocations, so they do not fragment memory.
+- `synchronize_checkpoint_boundary`: synchronize the device at the start and end of every
+  checkpointed forward and of every recompute-and-backward (CUDA: `torch.cuda.synchronize`; on CPU
+  there is nothing to wait for). Each boundary is a `torch.profiler` range named
+  `megazero.checkpoint_boundary_synchronize`, so traces show them.
+- `profile`: time every checkpointed forward and every recompute-and-backward (device-synchronized)
+  and print each on rank 0, as DeepSpeed does; `checkpoint_stats()` holds the totals.
 
-Without partitioning or a contiguous buffer, torch's non-reentrant checkpoint does the work; the
-options that change how inputs are stored use `_StoredInputCheckpoint`, which keeps them itself.
+`checkpoint_stats()` also counts checkpointed forwards and recomputes since the last configure().
+Without partitioning, a contiguous buffer, synchronization or profiling, torch's non-reentrant
+checkpoint does the work; the other options use `_StoredInputCheckpoint`, which keeps the inputs
+itself and has a backward of its own to delimit.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 import torch.distributed as dist
@@ -33,12 +42,16 @@ from megazero.tensor_parallel.random import get_rng_tracker
 _DEFAULTS = {"partition_activations": False, "cpu_checkpointing": False, "contiguous_memory_optimization": False,
              "number_checkpoints": None, "synchronize": False, "profile": False, "tp_group": None}
 _settings = dict(_DEFAULTS)
+_STAT_KEYS = ("forwards", "recomputes", "synchronized_boundaries", "forward_ms", "backward_ms")
+_stats: dict[str, float] = dict.fromkeys(_STAT_KEYS, 0)
+SYNCHRONIZE_RANGE = "megazero.checkpoint_boundary_synchronize"
 
 
 def configure(mpu=None, partition_activations: bool = False, cpu_checkpointing: bool = False,
               contiguous_memory_optimization: bool = False, number_checkpoints: int | None = None,
               synchronize_checkpoint_boundary: bool = False, profile: bool = False) -> None:
-    """Set the options that later checkpoint() calls use (DeepSpeed's names); configure() resets them.
+    """Set the options that later checkpoint() calls use (DeepSpeed's names); configure() resets them
+    (and checkpoint_stats()).
 
     mpu: supplies get_tensor_model_parallel_group() for partition_activations (None: one rank).
     """
@@ -55,7 +68,55 @@ def configure(mpu=None, partition_activations: bool = False, cpu_checkpointing: 
                      contiguous_memory_optimization=contiguous_memory_optimization,
                      number_checkpoints=number_checkpoints, synchronize=synchronize_checkpoint_boundary,
                      profile=profile, tp_group=tp_group)
+    _stats.update(dict.fromkeys(_STAT_KEYS, 0))
     _BUFFER.reset()
+
+
+def settings() -> dict:
+    """The options in effect (DeepSpeed's names; `synchronize` is synchronize_checkpoint_boundary)."""
+    return {k: v for k, v in _settings.items() if k != "tp_group"}
+
+
+def checkpoint_stats() -> dict[str, float]:
+    """Since the last configure(): checkpointed forwards, recomputes in backward, device
+    synchronizations at checkpoint boundaries, and (with profile) the milliseconds spent in
+    checkpointed forwards and in recompute-and-backward."""
+    return dict(_stats)
+
+
+def _boundary() -> None:
+    """synchronize_checkpoint_boundary: wait for the device's queued work at a checkpoint boundary."""
+    if not _settings["synchronize"]:
+        return
+    with torch.profiler.record_function(SYNCHRONIZE_RANGE):
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+    _stats["synchronized_boundaries"] += 1
+
+
+class _Phase:
+    """One checkpoint phase ('forward' or 'backward'): synchronized at both ends, timed and printed
+    on rank 0 with profile (the end is synchronized before the clock stops, as DeepSpeed's timers)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __enter__(self):
+        _boundary()
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _boundary()
+        if not _settings["profile"]:
+            return
+        if not _settings["synchronize"] and torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        ms = 1000 * (time.perf_counter() - self.start)
+        _stats[f"{self.name}_ms"] += ms
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            label = "forward" if self.name == "forward" else "recompute and backward"
+            print(f"[megazero] activation checkpoint {label}: {ms:.2f} ms", flush=True)
 
 
 def checkpoint(function, *args, partitionable: bool = True):
@@ -64,9 +125,9 @@ def checkpoint(function, *args, partitionable: bool = True):
     partitionable: the tensor arguments are identical on every tensor-parallel rank, so
     partition_activations may split them (False for per-rank tensors such as attention heads).
     """
-    if _settings["synchronize"] and torch.cuda.is_available():
-        torch.cuda.synchronize()
-    if _settings["partition_activations"] or _settings["contiguous_memory_optimization"]:
+    _stats["forwards"] += 1
+    if any(_settings[k] for k in ("partition_activations", "contiguous_memory_optimization", "synchronize",
+                                  "profile")):
         return _StoredInputCheckpoint.apply(function, partitionable, *args)
     for arg in args:
         if torch.is_tensor(arg):
@@ -86,6 +147,7 @@ def _tracker_contexts():
 
     @contextlib.contextmanager
     def recompute():
+        _stats["recomputes"] += 1
         current = tracker.get_states()
         tracker.set_states(saved)
         try:
@@ -182,24 +244,28 @@ class _StoredInputCheckpoint(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, function, partitionable: bool, *args):
-        ctx.function = function
-        ctx.rng = _rng_states()
-        ctx.entries = [_store(a, partitionable) if torch.is_tensor(a) else a for a in args]
-        with torch.no_grad():
-            return function(*args)
+        with _Phase("forward"):
+            ctx.function = function
+            ctx.rng = _rng_states()
+            split = partitionable and _settings["partition_activations"]
+            ctx.entries = [_store(a, split) if torch.is_tensor(a) else a for a in args]
+            with torch.no_grad():
+                return function(*args)
 
     @staticmethod
     def backward(ctx, *grads):
-        inputs = [_restore(e) if isinstance(e, dict) else e for e in ctx.entries]
-        ctx.entries = None
-        current = _rng_states()
-        _set_rng_states(ctx.rng)
-        try:
-            with torch.enable_grad():
-                outputs = ctx.function(*inputs)
-        finally:
-            _set_rng_states(current)
-        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-        pairs = [(o, g) for o, g in zip(outputs, grads) if torch.is_tensor(o) and o.requires_grad]
-        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        return (None, None, *[x.grad if torch.is_tensor(x) and x.requires_grad else None for x in inputs])
+        with _Phase("backward"):
+            inputs = [_restore(e) if isinstance(e, dict) else e for e in ctx.entries]
+            ctx.entries = None
+            current = _rng_states()
+            _set_rng_states(ctx.rng)
+            _stats["recomputes"] += 1
+            try:
+                with torch.enable_grad():
+                    outputs = ctx.function(*inputs)
+            finally:
+                _set_rng_states(current)
+            outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+            pairs = [(o, g) for o, g in zip(outputs, grads) if torch.is_tensor(o) and o.requires_grad]
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            return (None, None, *[x.grad if torch.is_tensor(x) and x.requires_grad else None for x in inputs])

@@ -363,10 +363,19 @@ def load_config_source(source: str | os.PathLike | dict) -> dict:
     return raw
 
 
+def _check_bf16_spellings(raw: dict) -> None:
+    """`bf16` and its old spelling `bfloat16` name one block: both may be given only if they agree
+    (DeepSpeed would silently read `bf16` and drop `bfloat16`)."""
+    if "bf16" in raw and "bfloat16" in raw and raw["bf16"] != raw["bfloat16"]:
+        raise ConfigError(f"'bf16' {json.dumps(raw['bf16'])} and 'bfloat16' {json.dumps(raw['bfloat16'])} are "
+                          f"both given and disagree; they are one block ('bfloat16' is the old spelling): keep one")
+
+
 def parse_config(source: str | os.PathLike | dict, data_parallel_size: int) -> EngineConfig:
     """Validate a DeepSpeed-style config (path or dict) into an EngineConfig for `data_parallel_size`."""
     raw = load_config_source(source)
     check_known_keys(raw, list(_TOP_LEVEL_SCALARS) + list(_SECTIONS), "")
+    _check_bf16_spellings(raw)
     values = {key: _check_type(raw[key], kind, key) if key in raw else None
               for key, kind in _TOP_LEVEL_SCALARS.items()}
     sections = {}

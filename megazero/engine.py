@@ -61,6 +61,9 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         self.global_steps = 0
         self.global_samples = 0
         self.skipped_steps = 0
+        # skipped steps whose gradients were inf/nan with no dynamic loss scale to blame (fp32, bf16,
+        # static fp16): a diverging run, not a loss-scale search; reported, never skipped silently
+        self.nan_steps = 0
         self.last_grad_norm: float | None = None
         self.last_step_overflowed = False
         self.last_flops_profile: str | None = None
@@ -170,6 +173,8 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         self.last_grad_norm = grad_norm
         if overflow:
             self.skipped_steps += 1
+            if not self.loss_scaler.dynamic:
+                self._report_nan_step(grad_norm)
             self.dp.start_window()
             self.loss_scaler.update(True)
             return
@@ -299,11 +304,18 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
             return type(batch)(self.to_device(value) for value in batch)
         return batch
 
+    def _report_nan_step(self, grad_norm: float) -> None:
+        self.nan_steps += 1
+        if self.global_rank == 0:
+            print(f"[megazero] step {self.global_steps + 1} skipped: the gradient norm is {grad_norm} under "
+                  f"{str(self.config.compute_dtype).replace('torch.', '')} without dynamic loss scaling "
+                  f"({self.nan_steps} such steps so far)", flush=True)
+
     def _report_progress(self) -> None:
         if self.global_rank == 0:
             lrs = ", ".join(f"{lr:.6g}" for lr in self.get_lr())
-            print(f"[megazero] step={self.global_steps} skipped={self.skipped_steps} lr=[{lrs}] "
-                  f"loss_scale={self.loss_scaler.scale:g}", flush=True)
+            print(f"[megazero] step={self.global_steps} skipped={self.skipped_steps} nan={self.nan_steps} "
+                  f"lr=[{lrs}] loss_scale={self.loss_scaler.scale:g}", flush=True)
         if self.timers.enabled:
             names = ["forward", "backward", "backward_reduce", "step", "optimizer"]
             self.timers.log(names + (["pipe_send_recv"] if self.is_pipelined else []), group=None,

@@ -4,18 +4,24 @@ sentence head (sentence-order prediction, or next-sentence prediction: the same 
 Plain and meant to be forked, built like models/gpt.py: Megatron's tensor-parallel layers (plain
 layers without a tp_group), one seed per layer so every shard and pipeline stage starts as the
 slice of the single-process model, and `layers` / `pre_process` / `post_process` to build a
-pipeline stage. Post-LayerNorm (the original BERT) or pre-LayerNorm blocks.
+pipeline stage. Post-LayerNorm (the original BERT) or pre-LayerNorm blocks. Recomputation
+(`recompute_granularity` full: whole layers, the first `recompute_num_layers` of each stage;
+selective: the attention core) and sequence parallelism (LayerNorm, dropout and residual
+activations split along the sequence over the TP ranks) as in models/gpt.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 from megazero import tensor_parallel as tp
+from megazero.activation_checkpointing import checkpoint
 from megazero.pipeline.partition import balanced_stage_layers
 from megazero.tensor_parallel.random import get_rng_tracker
 from megazero.tensor_parallel.utils import set_tensor_parallel_attributes
@@ -38,7 +44,10 @@ class BertConfig(ModelConfig):
     num_token_types: int = 2
     post_layer_norm: bool = True  # BERT's original; False: pre-LayerNorm blocks and a final LayerNorm
     binary_head: str = "sop"  # "sop" (sentence order) or "nsp" (next sentence): a 2-way head on [CLS]
+    recompute_granularity: str | None = None  # "full": whole layers; "selective": the attention core
+    recompute_num_layers: int | None = None  # with "full": the first N layers of each stage (default: all)
     tensor_model_parallel_size: int = 1
+    sequence_parallel: bool = False  # split LayerNorm/dropout activations along the sequence across TP ranks
 
     def __post_init__(self):
         if self.hidden_size % self.num_attention_heads:
@@ -48,7 +57,23 @@ class BertConfig(ModelConfig):
             self.ffn_hidden_size = 4 * self.hidden_size
         if self.binary_head not in ("sop", "nsp"):
             raise ValueError(f"binary_head must be 'sop' or 'nsp', got {self.binary_head!r}")
+        if self.recompute_granularity not in (None, "full", "selective"):
+            raise ValueError(f"recompute_granularity must be 'full' or 'selective', got {self.recompute_granularity!r}")
+        if self.recompute_num_layers is not None and self.recompute_granularity != "full":
+            raise ValueError(f"recompute_num_layers {self.recompute_num_layers} needs recompute_granularity 'full', "
+                             f"got {self.recompute_granularity!r}")
         self.check_tensor_parallel()
+        if self.sequence_parallel and self.seq_length % self.tensor_model_parallel_size:
+            raise ValueError(f"sequence_parallel: seq_length {self.seq_length} is not divisible by "
+                             f"tensor_model_parallel_size {self.tensor_model_parallel_size}")
+
+
+def _dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool) -> torch.Tensor:
+    """Dropout; sequence-parallel activations are different tokens on each TP rank: per-rank masks."""
+    if not (training and p):
+        return x
+    with get_rng_tracker().fork() if sequence_parallel else contextlib.nullcontext():
+        return F.dropout(x, p, True)
 
 
 class SelfAttention(nn.Module):
@@ -58,19 +83,27 @@ class SelfAttention(nn.Module):
         super().__init__()
         self.num_heads = config.num_attention_heads // config.tensor_model_parallel_size
         self.head_dim = config.hidden_size // config.num_attention_heads
+        sp = config.sequence_parallel
         self.qkv = tp.ColumnParallelLinear(config.hidden_size, 3 * config.hidden_size, tp_group,
-                                           init_method=normal_init(0.02), stride=3)
+                                           init_method=normal_init(0.02), stride=3, sequence_parallel=sp)
         self.proj = tp.RowParallelLinear(config.hidden_size, config.hidden_size, tp_group,
-                                         init_method=normal_init(0.02))
+                                         init_method=normal_init(0.02), sequence_parallel=sp)
         self.dropout = config.dropout
+        self.recompute_core = config.recompute_granularity == "selective"
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
+        with get_rng_tracker().fork():  # attention dropout differs between the TP ranks' heads
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attend,
+                                                  dropout_p=self.dropout if self.training else 0.0)
 
     def forward(self, x: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
-        batch, seq, _ = x.shape
-        q, k, v = (t.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
-                   for t in self.qkv(x).chunk(3, dim=2))
-        with get_rng_tracker().fork():  # attention dropout differs between the TP ranks' heads
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attend,
-                                               dropout_p=self.dropout if self.training else 0.0)
+        qkv = self.qkv(x)  # [batch, seq, 3 * local heads * head_dim] (the whole sequence under SP)
+        batch, seq, _ = qkv.shape
+        q, k, v = (t.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2) for t in qkv.chunk(3, dim=2))
+        if self.recompute_core and torch.is_grad_enabled():  # selective recompute: only the attention core
+            y = checkpoint(lambda q, k, v: self._core(q, k, v, attend), q, k, v, partitionable=False)
+        else:
+            y = self._core(q, k, v, attend)
         return self.proj(y.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
 
 
@@ -80,20 +113,21 @@ class Layer(nn.Module):
     def __init__(self, config: BertConfig, tp_group=None):
         super().__init__()
         self.post_ln = config.post_layer_norm
-        self.ln_1 = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        sp = self.sequence_parallel = config.sequence_parallel
+        self.ln_1 = tp.LayerNorm(config.hidden_size, config.layernorm_epsilon, tp_group, sp)
         self.attn = SelfAttention(config, tp_group)
-        self.ln_2 = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        self.ln_2 = tp.LayerNorm(config.hidden_size, config.layernorm_epsilon, tp_group, sp)
         self.fc = tp.ColumnParallelLinear(config.hidden_size, config.ffn_hidden_size, tp_group,
-                                          init_method=normal_init(0.02))
+                                          init_method=normal_init(0.02), sequence_parallel=sp)
         self.proj = tp.RowParallelLinear(config.ffn_hidden_size, config.hidden_size, tp_group,
-                                         init_method=normal_init(0.02))
+                                         init_method=normal_init(0.02), sequence_parallel=sp)
         self.dropout = config.dropout
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x)))
 
     def forward(self, x: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
-        drop = lambda y: F.dropout(y, self.dropout, self.training)  # noqa: E731
+        drop = lambda y: _dropout(y, self.dropout, self.training, self.sequence_parallel)  # noqa: E731
         if self.post_ln:
             x = self.ln_1(x + drop(self.attn(x, attend)))
             return self.ln_2(x + drop(self._mlp(x)))
@@ -141,9 +175,9 @@ class Bert(nn.Module):
     def _build_heads(self, config: BertConfig) -> None:
         h, eps = config.hidden_size, config.layernorm_epsilon
         if not config.post_layer_norm:
-            self.ln_f = nn.LayerNorm(h, eps=eps)
+            self.ln_f = tp.LayerNorm(h, eps, self.tp_group, config.sequence_parallel)
         self.lm_dense = nn.Linear(h, h)
-        self.lm_ln = nn.LayerNorm(h, eps=eps)
+        self.lm_ln = tp.LayerNorm(h, eps, self.tp_group, config.sequence_parallel)
         # the output bias is split over the vocabulary like the tied output weight
         self.lm_bias = nn.Parameter(torch.zeros(config.padded_vocab_size // config.tensor_model_parallel_size))
         set_tensor_parallel_attributes(self.lm_bias, 0)
@@ -170,24 +204,49 @@ class Bert(nn.Module):
         if seq > self.config.seq_length:
             raise ValueError(f"sequence of {seq} tokens is longer than seq_length {self.config.seq_length}")
         x = self.wte(input_ids) + self.wpe(torch.arange(seq, device=input_ids.device)) + self.tte(token_type_ids)
-        return F.dropout(self.ln_emb(x), self.config.dropout, self.training)
+        x = self.ln_emb(x)
+        if self.config.sequence_parallel:
+            x = tp.scatter_to_sequence_parallel_region(x, self.tp_group)
+        return _dropout(x, self.config.dropout, self.training, self.config.sequence_parallel)
 
     def encode(self, padding_mask: torch.Tensor, input_ids=None, token_type_ids=None,
                hidden_states: torch.Tensor | None = None) -> torch.Tensor:
-        """This stage's layers over the embeddings (first stage) or the previous stage's output."""
+        """This stage's layers over the embeddings (first stage) or the previous stage's output
+        (this rank's slice of the sequence under sequence parallelism)."""
         x = self.embed(input_ids, token_type_ids) if self.pre_process else hidden_states
         attend = padding_mask.bool()[:, None, None, :]  # every query sees the real tokens
-        for block in self.blocks:
-            x = block(x, attend)
+        full = self.config.recompute_granularity == "full" and torch.is_grad_enabled()
+        layers = self.config.recompute_num_layers  # per pipeline stage, as in Megatron
+        recompute = layers if layers is not None else len(self.blocks)
+        for i, block in enumerate(self.blocks):
+            if full and i < recompute:  # a layer input is the same on every TP rank unless split by SP
+                x = checkpoint(lambda h, block=block: block(h, attend), x,
+                               partitionable=not self.config.sequence_parallel)
+            else:
+                x = block(x, attend)
         return x
+
+    def _cls_token(self, x: torch.Tensor) -> torch.Tensor:
+        """[CLS]'s hidden state on every TP rank. Under sequence parallelism it lives on TP rank 0:
+        the other ranks add zeros, and the backward hands the pooler's gradient to rank 0 only."""
+        if not self.config.sequence_parallel:
+            return x[:, 0]
+        rank = dist.get_rank(self.tp_group) if self.tp_group is not None else 0
+        first = x[:, 0] if rank == 0 else torch.zeros_like(x[:, 0])
+        return tp.reduce_from_tensor_parallel_region(first, self.tp_group)
 
     def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(this TP rank's vocabulary slice of the MLM logits, the 2-way sentence logits)."""
         if not self.config.post_layer_norm:
             x = self.ln_f(x)
-        sentence = self.binary(torch.tanh(self.pooler(x[:, 0])))  # [CLS]
-        hidden = self.lm_ln(F.gelu(self.lm_dense(x)))
-        logits = F.linear(tp.copy_to_tensor_parallel_region(hidden, self.tp_group), self.wte.weight, self.lm_bias)
+        sentence = self.binary(torch.tanh(self.pooler(self._cls_token(x))))
+        if self.config.sequence_parallel:  # lm_dense sees part of the tokens: its gradient is summed over TP
+            dense = F.linear(x, tp.sync_replicated_grad(self.lm_dense.weight, self.tp_group),
+                             tp.sync_replicated_grad(self.lm_dense.bias, self.tp_group))
+            hidden = tp.gather_from_sequence_parallel_region(self.lm_ln(F.gelu(dense)), self.tp_group)
+        else:
+            hidden = tp.copy_to_tensor_parallel_region(self.lm_ln(F.gelu(self.lm_dense(x))), self.tp_group)
+        logits = F.linear(hidden, self.wte.weight, self.lm_bias)
         return logits, sentence
 
     def losses(self, input_ids=None, token_type_ids=None, padding_mask=None, labels=None, loss_mask=None,

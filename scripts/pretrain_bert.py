@@ -1,7 +1,8 @@
 """Pretrain BERT (masked LM + sentence-order or next-sentence prediction) with the megazero engine.
 
 Same flags, console lines, TensorBoard scalars, checkpoints and resume as scripts/pretrain_gpt.py
-(whose pieces it uses), plus --binary-head sop|nsp and --pre-layer-norm. Data: a sentence-level
+(whose pieces it uses: --recompute-granularity, --recompute-num-layers and --sequence-parallel
+included), plus --binary-head sop|nsp and --pre-layer-norm. Data: a sentence-level
 indexed dataset, P_train_text_sentence / P_valid_text_sentence and P_tokenizer.model with the
 [CLS] [SEP] [MASK] [PAD] pieces (`make data-bert`). Validation reports the masked-LM loss and the
 sentence-head accuracy.
@@ -85,15 +86,23 @@ def run_validation(engine, valid: BertDataset, args, rank: int) -> float:
     return result["loss"]
 
 
+def model_config(args, vocab_size: int) -> BertConfig:
+    """--model-config with the size, recompute and parallelism flags applied."""
+    return BertConfig.from_json(args.model_config, vocab_size=vocab_size, num_layers=args.num_layers,
+                                  hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+                                  seq_length=args.seq_length, dropout=args.dropout, binary_head=args.binary_head,
+                                  post_layer_norm=False if args.pre_layer_norm else None,
+                                  recompute_granularity=args.recompute_granularity,
+                                  recompute_num_layers=args.recompute_num_layers,
+                                  tensor_model_parallel_size=args.tensor_model_parallel_size,
+                                  sequence_parallel=args.sequence_parallel or None)
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     rank, grid, tokenizer = pretrain_gpt.start_run(args)
     special = {piece: tokenizer.token_id(piece) for piece in SPECIAL_PIECES}
-    config = BertConfig.from_json(args.model_config, vocab_size=tokenizer.vocab_size, num_layers=args.num_layers,
-                                  hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-                                  seq_length=args.seq_length, dropout=args.dropout, binary_head=args.binary_head,
-                                  post_layer_norm=False if args.pre_layer_norm else None,
-                                  tensor_model_parallel_size=args.tensor_model_parallel_size)
+    config = model_config(args, tokenizer.vocab_size)
     model = build_model(config, grid)
     if torch.cuda.is_available():
         model = model.cuda(torch.cuda.current_device())

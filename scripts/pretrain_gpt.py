@@ -101,6 +101,8 @@ def engine_config(args: argparse.Namespace) -> dict:
             scheduler["params"]["warmup_max_lr"] = args.lr
     if config.get("scheduler", {}).get("type") in ("WarmupDecayLR", "WarmupCosineLR"):
         config["scheduler"]["params"]["total_num_steps"] = args.train_iters
+    if args.bf16 or args.fp16:
+        config.pop("bfloat16", None)  # the flag decides; the old spelling must not contradict it
     if args.bf16:
         config["bf16"] = {"enabled": True}
         config.pop("fp16", None)
@@ -186,8 +188,12 @@ class ProgressLog:
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         self.losses: list[float] = []
         self.window_start = time.perf_counter()
+        self._start_window_counts()
         self.run_start_iter = engine.global_steps
         self.run_start = time.perf_counter()
+
+    def _start_window_counts(self) -> None:
+        self.skipped_before, self.nan_before = self.engine.skipped_steps, self.engine.nan_steps
 
     def record(self, loss: float) -> None:
         self.losses.append(loss)
@@ -202,21 +208,28 @@ class ProgressLog:
         mfu = tflops_per_rank * 1e12 / self.peak_flops
         done = it - self.run_start_iter
         eta = (time.perf_counter() - self.run_start) / max(done, 1) * (self.args.train_iters - it)
+        # Megatron's per-interval counts: skipped steps, and of those the inf/nan gradients that no
+        # dynamic loss scale explains (fp32, bf16)
+        skipped = self.engine.skipped_steps - self.skipped_before
+        nans = self.engine.nan_steps - self.nan_before
         if self.rank == 0:
             grad_norm = self.engine.last_grad_norm or 0.0
             print(f" iteration {it:6d}/{self.args.train_iters} | consumed samples {self.engine.global_samples:8d} | "
                   f"elapsed time per iteration (ms): {1000 * elapsed / iters:7.1f} | lm loss: {loss_avg:.4f} | "
                   f"learning rate: {self.engine.get_lr()[0]:.3e} | loss scale: {self.engine.get_loss_scale():g} | "
-                  f"grad norm: {grad_norm:.3f} | skipped: {self.engine.skipped_steps} | "
+                  f"grad norm: {grad_norm:.3f} | number of skipped iterations: {skipped:3d} | "
+                  f"number of nan iterations: {nans:3d} | "
                   f"tokens/s: {tokens_per_s:,.0f} | TFLOP/s per rank: {tflops_per_rank:.3f} | MFU: {100 * mfu:.1f}% | "
                   f"ETA: {eta / 60:.1f} min", flush=True)
         self.engine.monitor.write(it, {
             "lm loss": loss_avg, "learning-rate": self.engine.get_lr()[0],
             "loss-scale": self.engine.get_loss_scale(), "grad-norm": self.engine.last_grad_norm or 0.0,
+            "skipped-iterations": skipped, "nan-iterations": nans,
             "iteration-time": elapsed / iters, "throughput/tokens-per-sec": tokens_per_s,
             "throughput/tflops-per-rank": tflops_per_rank, "throughput/mfu": mfu})
         self.losses = []
         self.window_start = time.perf_counter()
+        self._start_window_counts()
 
 
 def run_evaluation(engine, valid: GPTDataset, args, rank: int, unigram: float | None) -> float:

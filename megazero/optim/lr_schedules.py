@@ -157,9 +157,22 @@ class WarmupCosineLR(_Schedule):
         return [lr * ratio for lr in self.org_lrs]
 
 
+def momentum_key(optimizer: torch.optim.Optimizer) -> str | None:
+    """The param-group key holding the optimizer's momentum: 'betas' (beta1; Adam, Lamb), 'momentum'
+    (SGD), or None when it has neither (Adagrad)."""
+    for key in ("betas", "momentum"):
+        if key in optimizer.defaults:
+            return key
+    return None
+
+
 class OneCycle(_Schedule):
     """1Cycle: LR rises cycle_min_lr -> cycle_max_lr and falls back (momentum moves the other way),
-    optionally in stairs, then decays by 1/(1 + decay_lr_rate * steps/decay_step_size)."""
+    optionally in stairs, then decays by 1/(1 + decay_lr_rate * steps/decay_step_size).
+
+    The momentum cycled is beta1 for optimizers with `betas` and `momentum` for SGD; an optimizer
+    with neither needs cycle_momentum=False (DeepSpeed would silently stop cycling).
+    """
 
     def __init__(self, optimizer: torch.optim.Optimizer, cycle_min_lr: float, cycle_max_lr: float,
                  decay_lr_rate: float = 0.0, cycle_first_step_size: int = 2000,
@@ -181,20 +194,28 @@ class OneCycle(_Schedule):
         self.max_lrs = [cycle_max_lr] * len(optimizer.param_groups)
         self.decay_lr_rate = decay_lr_rate
         self.skip_lr_decay = decay_step_size == 0 or decay_lr_rate == 0
-        self.cycle_momentum = cycle_momentum and "betas" in optimizer.defaults
+        self.momentum_key = momentum_key(optimizer)
+        if cycle_momentum and self.momentum_key is None:
+            raise ValueError(f"OneCycle: cycle_momentum is true but the optimizer {type(optimizer).__name__} has "
+                             f"neither 'betas' nor 'momentum' to cycle; set scheduler.params.cycle_momentum to false")
+        self.cycle_momentum = cycle_momentum
         self.min_mom, self.max_mom, self.decay_mom_rate = cycle_min_mom, cycle_max_mom, decay_mom_rate
         self.skip_mom_decay = decay_step_size == 0 or decay_mom_rate == 0
         self.last_batch_iteration = last_batch_iteration
         if last_batch_iteration == -1:
             self._last_lr = _set_lrs(optimizer, self.min_lrs)
             if self.cycle_momentum:
-                self._set_betas(self.min_mom)
+                self._set_momentum(self.min_mom)
         else:
             self._last_lr = _set_lrs(optimizer, self.get_lr())
 
-    def _set_betas(self, beta1: float) -> None:
+    def _set_momentum(self, momentum: float) -> None:
+        """beta1 (keeping beta2) or SGD's momentum, in every param group."""
         for group in self.optimizer.param_groups:
-            group["betas"] = (beta1, group["betas"][1])
+            if self.momentum_key == "betas":
+                group["betas"] = (momentum, group["betas"][1])
+            else:
+                group["momentum"] = momentum
 
     def _scale_factor(self) -> float:
         iteration = self.last_batch_iteration + 1
@@ -225,7 +246,8 @@ class OneCycle(_Schedule):
         return [lo / factor for lo in self.min_lrs]
 
     def get_mom(self) -> float:
-        """beta1 at the current iteration: inverse to the LR in the cycle, decayed after it."""
+        """The momentum (beta1 or SGD's) at the current iteration: inverse to the LR in the cycle,
+        decayed after it."""
         if self.last_batch_iteration < self.total_size:
             return self.max_mom - (self.max_mom - self.min_mom) * self._scale_factor()
         if self.skip_mom_decay:
@@ -234,16 +256,16 @@ class OneCycle(_Schedule):
         return self.max_mom * (1 + self.decay_mom_rate * decay_steps / self.decay_step_size)
 
     def step(self, last_batch_iteration: int | None = None) -> None:
-        """Advance one batch: set the LR and, when cycling momentum, beta1."""
+        """Advance one batch: set the LR and, when cycling momentum, the momentum."""
         super().step(last_batch_iteration)
         if self.cycle_momentum:
-            self._set_betas(self.get_mom())
+            self._set_momentum(self.get_mom())
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the iteration and re-apply its LR and momentum."""
         super().load_state_dict(state)
         if self.cycle_momentum and self.last_batch_iteration >= 0:
-            self._set_betas(self.get_mom())
+            self._set_momentum(self.get_mom())
 
 
 class LRRangeTest(_Schedule):

@@ -68,26 +68,48 @@ def test_partitioned_inputs_take_half_at_tp2(pools):
     assert whole - split == pytest.approx(3 * layer_input / 2, rel=0.01)
 
 
-def _engine_block(prefix: str) -> str:
-    from tests.training_helpers import base_config, train
+ENGINE_BLOCK = {"partition_activations": True, "contiguous_memory_optimization": True, "number_checkpoints": 2,
+                "synchronize_checkpoint_boundary": True, "profile": True}
 
-    config = base_config(activation_checkpointing={"partition_activations": True,
-                                                   "contiguous_memory_optimization": True,
-                                                   "number_checkpoints": 2})
+
+def _engine_block(prefix: str, block: dict | None) -> dict:
+    """Two steps of the tiny GPT at TP=2 (full recompute, dropout on), with or without the engine's
+    activation_checkpointing block; what the block changed is read back from the run."""
+    from tests.training_helpers import base_config, build_engine, global_mean
+
+    config = base_config(**({"activation_checkpointing": block} if block is not None else {}))
     try:
-        result = train(config, prefix, 2, 0, None, None, None, {"recompute_granularity": "full"}, (2, 1))
+        engine, loader = build_engine(config, prefix, 0, {"recompute_granularity": "full", "dropout": 0.1}, (2, 1))
+        data = iter(loader)
+        losses = [global_mean(engine.train_batch(data).item(), engine) for _ in range(2)]
+        slots = ac._BUFFER.storage.shape[0] if ac._BUFFER.storage is not None else 0
+        return {"losses": losses, "settings": ac.settings(), "stats": ac.checkpoint_stats(), "slots": slots,
+                "kept": engine.last_activation_bytes}
     finally:
         ac.configure()
-    return result["losses"]
 
 
 def test_engine_config_block_configures_checkpointing(pools, token_dataset_prefix_module):
-    from tests.training_helpers import base_config, train
-
-    expected = pools(2).run(train, base_config(), token_dataset_prefix_module, 2, 0, None, None, None, None,
-                            (2, 1))[0]["losses"]
-    for losses in pools(2).run(_engine_block, token_dataset_prefix_module):
-        assert losses == expected
+    """The block's options take effect through initialize(): settings, 1/TP of the layer inputs kept,
+    the contiguous buffer's slots, a synchronization at each of the 4 boundaries of every
+    checkpointed layer, the profile's timings; and the losses stay exactly those without it."""
+    plain = pools(2).run(_engine_block, token_dataset_prefix_module, None)
+    configured = pools(2).run(_engine_block, token_dataset_prefix_module, ENGINE_BLOCK)
+    layer_input = 8 * 32 * 64 * 4  # micro-batch x seq x hidden fp32, per checkpointed layer
+    for without, with_block in zip(plain, configured):
+        assert with_block["losses"] == without["losses"]
+        assert {k: with_block["settings"][k] for k in ("partition_activations", "contiguous_memory_optimization",
+                                                       "number_checkpoints", "synchronize", "profile")} == {
+            "partition_activations": True, "contiguous_memory_optimization": True, "number_checkpoints": 2,
+            "synchronize": True, "profile": True}
+        assert not any(without["settings"].values())
+        assert without["kept"] - with_block["kept"] == 2 * layer_input // 2  # two layer inputs, half kept
+        assert with_block["slots"] == 2 and without["slots"] == 0
+        checkpointed = 2 * 2  # layers x steps (one micro-batch per step)
+        assert with_block["stats"]["forwards"] == with_block["stats"]["recomputes"] == checkpointed
+        assert with_block["stats"]["synchronized_boundaries"] == 4 * checkpointed
+        assert with_block["stats"]["forward_ms"] > 0 and with_block["stats"]["backward_ms"] > 0
+        assert without["stats"]["synchronized_boundaries"] == 0 and without["stats"]["forward_ms"] == 0
 
 
 def test_contiguous_needs_partition_and_slots():

@@ -88,3 +88,33 @@ def test_json_file(tmp_path):
     (tmp_path / "bad.json").write_text("{oops")
     with pytest.raises(ConfigError, match="not valid JSON"):
         parse_config(str(tmp_path / "bad.json"), 1)
+
+
+@pytest.mark.parametrize("order", ["bf16 first", "bfloat16 first"])
+def test_bf16_and_bfloat16_disagreeing_is_an_error_in_either_order(order):
+    blocks = [("bf16", {"enabled": True}), ("bfloat16", {"enabled": False})]
+    raw = dict(blocks if order == "bf16 first" else blocks[::-1])
+    with pytest.raises(ConfigError, match=r"'bf16' .* and 'bfloat16' .* disagree"):
+        parse_config({"train_batch_size": 8, **raw}, 1)
+
+
+def test_bf16_and_bfloat16_agreeing_is_one_block():
+    config = parse_config({"train_batch_size": 8, "bfloat16": {"enabled": True}, "bf16": {"enabled": True}}, 1)
+    assert config.bf16.enabled
+    assert parse_config({"train_batch_size": 8, "bfloat16": {"enabled": True}}, 1).bf16.enabled
+
+
+def test_recipe_precision_flag_replaces_either_spelling(tmp_path):
+    """--bf16/--fp16 decide the precision even over an engine JSON with the old `bfloat16` block."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+    import pretrain_gpt
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 8, "bfloat16": {"enabled": False}}))
+    for flag, expected in (("--bf16", (True, False)), ("--fp16", (False, True))):
+        args = pretrain_gpt.parse_args(["--data-path", "unused", flag, "--deepspeed_config", str(path)])
+        config = parse_config(pretrain_gpt.engine_config(args), 1)
+        assert (config.bf16.enabled, config.fp16.enabled) == expected

@@ -101,3 +101,36 @@ def test_state_dict_round_trip(make):
     second.step()
     assert second.optimizer.param_groups[0] == first.optimizer.param_groups[0] | {
         "params": second.optimizer.param_groups[0]["params"]}
+
+
+def test_one_cycle_cycles_sgd_momentum():
+    """SGD has no betas: its `momentum` is what cycles, inverse to the LR, and SGD really uses it."""
+    param = torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.SGD([param], lr=0.1, momentum=0.5)
+    schedule = OneCycle(optimizer, cycle_min_lr=0.1, cycle_max_lr=1.1, cycle_first_step_size=4,
+                        cycle_min_mom=0.8, cycle_max_mom=0.9)
+    moms = [optimizer.param_groups[0]["momentum"]]
+    for _ in range(8):
+        param.grad = torch.ones(2)
+        optimizer.step()
+        schedule.step()
+        moms.append(optimizer.param_groups[0]["momentum"])
+    assert moms == pytest.approx([0.8, 0.875, 0.85, 0.825, 0.8, 0.825, 0.85, 0.875, 0.9])
+    assert "betas" not in optimizer.param_groups[0]
+    # the buffer follows the cycled momentum: after step k, buf = m_k * buf + 1 with m_k as set before step k
+    buffer = 1.0
+    for m in moms[1:8]:
+        buffer = m * buffer + 1.0
+    assert optimizer.state[param]["momentum_buffer"][0].item() == pytest.approx(buffer)
+
+
+def test_one_cycle_without_any_momentum_names_the_key_and_optimizer():
+    from megazero.optim.lr_schedules import build_scheduler
+
+    adagrad = torch.optim.Adagrad([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    with pytest.raises(ValueError, match=r"cycle_momentum is true but the optimizer Adagrad has neither"):
+        build_scheduler("OneCycle", adagrad, {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1})
+    schedule = build_scheduler("OneCycle", adagrad, {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1,
+                                                     "cycle_momentum": False})
+    schedule.step()
+    assert adagrad.param_groups[0]["lr"] > 0.01
