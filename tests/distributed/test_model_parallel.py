@@ -191,3 +191,35 @@ def test_padding_does_not_change_the_model_with_dropout(pools, token_dataset_pre
     assert [r["params"]["wte.weight"].shape[0] for r in runs] == [384, 320]
     _assert_losses(runs[1]["losses"], runs[0]["losses"], LOSS_RTOL)
     _assert_same_model(runs[1]["params"], runs[0]["params"])
+
+
+def _padded_cross_entropy(vocab: int, columns_per_rank: int) -> dict[str, float]:
+    """Vocab-parallel cross entropy over `vocab` tokens padded to columns_per_rank x TP columns,
+    against the dense cross entropy over the tokens alone (same seed on every rank)."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from megazero import tensor_parallel as tp
+    from megazero.parallel_state import initialize_model_parallel
+
+    group = initialize_model_parallel(dist.get_world_size(), 1).tp_group
+    rank, padded = dist.get_rank(group), columns_per_rank * dist.get_world_size(group)
+    torch.manual_seed(0)
+    logits, target, weights = torch.randn(4, padded), torch.randint(0, vocab, (4,)), torch.rand(4)
+    local = logits[:, rank * columns_per_rank:(rank + 1) * columns_per_rank].clone().requires_grad_()
+    loss = tp.vocab_parallel_cross_entropy(local, target, group, vocab_size=vocab)
+    (loss * weights).sum().backward()
+    dense = logits[:, :vocab].clone().requires_grad_()
+    expected = F.cross_entropy(dense, target, reduction="none")
+    (expected * weights).sum().backward()
+    grad = torch.cat([dense.grad, torch.zeros(4, padded - vocab)], dim=1)
+    return {"loss": float((loss - expected).abs().max()),
+            "grad": float((local.grad - grad[:, rank * columns_per_rank:(rank + 1) * columns_per_rank]).abs().max())}
+
+
+@pytest.mark.parametrize("vocab", [3, 6], ids=["one_rank_all_padding", "both_ranks_tokens"])
+def test_vocab_parallel_cross_entropy_leaves_padding_out(pools, vocab):
+    """TP=2, 4 columns per rank: the padding columns get no probability and zero gradient, also
+    where a rank holds padding only (its local max is -inf until the all-reduce)."""
+    for result in pools(2).run(_padded_cross_entropy, vocab, 4):
+        assert result["loss"] < 1e-6 and result["grad"] < 1e-7, result
