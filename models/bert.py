@@ -25,12 +25,13 @@ from megazero.activation_checkpointing import checkpoint
 from megazero.pipeline.partition import balanced_stage_layers
 from megazero.tensor_parallel.random import get_rng_tracker
 from megazero.tensor_parallel.utils import set_tensor_parallel_attributes
-from models.common import ModelConfig, check_tp_group, normal_init, seeded
+from models.common import ModelConfig, check_tp_group, normal_init, seeded, vocabulary_init
 
 
 @dataclass
 class BertConfig(ModelConfig):
-    """Model shape; vocab_size is padded to a multiple of make_vocab_size_divisible_by x TP."""
+    """Model shape; the embedding is padded to a multiple of make_vocab_size_divisible_by x TP rows,
+    invisibly (see models/common.py): the MLM loss covers vocab_size tokens only."""
 
     vocab_size: int = 8000
     seq_length: int = 128
@@ -154,7 +155,8 @@ class Bert(nn.Module):
         with seeded(base_seed):
             # the MLM output layer is tied to the word embedding: a last stage holds a copy (kept equal
             # by summing both copies' gradients) built from the same seed as the first stage's
-            self.wte = tp.VocabParallelEmbedding(config.padded_vocab_size, h, tp_group, init_method=normal_init(0.02))
+            self.wte = tp.VocabParallelEmbedding(config.padded_vocab_size, h, tp_group,
+                                                 init_method=vocabulary_init(0.02, config.vocab_size))
             if pre_process != post_process:
                 self.wte.weight.shared_embedding = True
             if pre_process:
@@ -236,7 +238,7 @@ class Bert(nn.Module):
         return tp.reduce_from_tensor_parallel_region(first, self.tp_group)
 
     def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this TP rank's vocabulary slice of the MLM logits, the 2-way sentence logits)."""
+        """(this TP rank's slice of the padded vocabulary's MLM logits, the 2-way sentence logits)."""
         if not self.config.post_layer_norm:
             x = self.ln_f(x)
         sentence = self.binary(torch.tanh(self.pooler(self._cls_token(x))))
@@ -253,7 +255,7 @@ class Bert(nn.Module):
                sentence_order=None, hidden_states=None) -> dict[str, torch.Tensor]:
         """{'mlm': masked-LM loss, 'sop': sentence loss, 'sop_correct': right answers} (last stage)."""
         logits, sentence = self.heads(self.encode(padding_mask, input_ids, token_type_ids, hidden_states))
-        per_token = tp.vocab_parallel_cross_entropy(logits, labels, self.tp_group)
+        per_token = tp.vocab_parallel_cross_entropy(logits, labels, self.tp_group, vocab_size=self.config.vocab_size)
         mask = loss_mask.float()
         mlm = (per_token * mask).sum() / mask.sum().clamp(min=1.0)
         sop = F.cross_entropy(sentence.float(), sentence_order)

@@ -1,6 +1,14 @@
 """What models/gpt.py and models/bert.py share: config loading and vocabulary padding, the
 per-layer seeding that makes every shard and stage start as the single-process model, and the
-initialiser."""
+initialisers.
+
+Vocabulary padding is an implementation detail of the layout: the embedding gets rows up to a
+multiple of make_vocab_size_divisible_by x TP so that it splits evenly over the tensor-parallel
+ranks, but the padding rows are never looked up (ids are below vocab_size), their logits are
+left out of the loss and out of the logits the models return, so they get zero gradient and
+their values never matter. They start as zeros (`vocabulary_init`), and a checkpoint moved to a
+layout that pads differently adds or drops padding rows only, without changing the model.
+"""
 
 from __future__ import annotations
 
@@ -25,7 +33,8 @@ class ModelConfig:
 
     @property
     def padded_vocab_size(self) -> int:
-        """vocab_size rounded up to a multiple of make_vocab_size_divisible_by x TP (Megatron's padding)."""
+        """vocab_size rounded up to a multiple of make_vocab_size_divisible_by x TP (Megatron's padding):
+        the rows of the embedding; only the first vocab_size are tokens."""
         m = self.make_vocab_size_divisible_by * self.tensor_model_parallel_size
         return ((self.vocab_size + m - 1) // m) * m
 
@@ -55,6 +64,18 @@ class ModelConfig:
 def normal_init(std: float):
     """Initialiser drawing N(0, std) (GPT-2 and BERT use 0.02)."""
     return lambda tensor: nn.init.normal_(tensor, mean=0.0, std=std)
+
+
+def vocabulary_init(std: float, vocab_size: int):
+    """Initialiser of a padded [rows, hidden] vocabulary: N(0, std) for the first vocab_size rows,
+    zeros for the padding. It draws exactly what a [vocab_size, hidden] tensor would, whatever the
+    padding, so the embedding (and everything seeded after it) starts the same at every TP size."""
+
+    def init(tensor: torch.Tensor) -> None:
+        nn.init.normal_(tensor[:vocab_size], mean=0.0, std=std)
+        nn.init.zeros_(tensor[vocab_size:])
+
+    return init
 
 
 def check_tp_group(config: ModelConfig, tp_group) -> None:

@@ -27,12 +27,13 @@ from megazero.activation_checkpointing import checkpoint
 from megazero.ops.cuda_ops import bias_gelu
 from megazero.pipeline.partition import balanced_stage_layers
 from megazero.tensor_parallel.random import get_rng_tracker
-from models.common import ModelConfig, check_tp_group, normal_init, seeded
+from models.common import ModelConfig, check_tp_group, normal_init, seeded, vocabulary_init
 
 
 @dataclass
 class GPTConfig(ModelConfig):
-    """Model shape. vocab_size is padded up to a multiple of `make_vocab_size_divisible_by`."""
+    """Model shape. The embedding is padded to a multiple of `make_vocab_size_divisible_by` x TP
+    rows; the padding is invisible (see models/common.py): logits and loss cover vocab_size only."""
 
     vocab_size: int = 8000
     seq_length: int = 256
@@ -174,7 +175,7 @@ class GPT(nn.Module):
             # by summing both copies' gradients) built from the same seed as the first stage's
             if pre_process or post_process:
                 self.wte = tp.VocabParallelEmbedding(config.padded_vocab_size, config.hidden_size, tp_group,
-                                                     init_method=normal_init(0.02))
+                                                     init_method=vocabulary_init(0.02, config.vocab_size))
                 if pre_process != post_process:  # pipelined: the two copies' gradients are summed
                     self.wte.weight.shared_embedding = True
             if pre_process:
@@ -214,18 +215,20 @@ class GPT(nn.Module):
             return F.dropout(x, self.config.dropout, True)
 
     def head(self, x: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
-        """Final LayerNorm and tied output layer: mean loss given labels, else full-vocabulary logits."""
+        """Final LayerNorm and tied output layer: mean loss given labels, else the logits of the
+        vocab_size tokens (the padding columns are left out of both)."""
         x = self.ln_f(x)
         if self.config.sequence_parallel:
             x = tp.gather_from_sequence_parallel_region(x, self.tp_group)
         else:
             x = tp.copy_to_tensor_parallel_region(x, self.tp_group)
-        logits = F.linear(x, self.wte.weight)  # this TP rank's slice of the vocabulary
+        logits = F.linear(x, self.wte.weight)  # this TP rank's slice of the (padded) vocabulary
+        vocab = self.config.vocab_size
         if labels is None:
-            return tp.gather_from_tensor_parallel_region(logits, self.tp_group)
+            return tp.gather_from_tensor_parallel_region(logits, self.tp_group)[..., :vocab]
         if self.config.tensor_model_parallel_size == 1:
-            return F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.reshape(-1))
-        return tp.vocab_parallel_cross_entropy(logits, labels, self.tp_group).mean()
+            return F.cross_entropy(logits[..., :vocab].float().reshape(-1, vocab), labels.reshape(-1))
+        return tp.vocab_parallel_cross_entropy(logits, labels, self.tp_group, vocab_size=vocab).mean()
 
     def forward(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 hidden_states: torch.Tensor | None = None, kv_cache: list[dict] | None = None) -> torch.Tensor:
@@ -254,7 +257,8 @@ class GPT(nn.Module):
                  top_k: int | None = None, top_p: float | None = None, vocab_size: int | None = None,
                  use_kv_cache: bool = True) -> torch.Tensor:
         """Continue `input_ids` by max_new_tokens tokens: greedy when temperature == 0, else sampled
-        (top-k and/or nucleus top-p); padding ids are never produced. With the KV cache each step
+        (top-k and/or nucleus top-p) from the model's vocab_size tokens (the logits hold no padding),
+        or from the first `vocab_size` ids when given (a tokenizer's). With the KV cache each step
         feeds only the new token; once the text outgrows seq_length, the window slides and the whole
         window is recomputed, exactly as without the cache."""
         vocab_size = vocab_size or self.config.vocab_size

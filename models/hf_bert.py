@@ -1,6 +1,7 @@
 """Mapping from megazero's BERT (models/bert.py, post-LayerNorm) to Hugging Face transformers'
 BertForPreTraining: the fused [Q; K; V] projection becomes query/key/value, LayerNorms and heads
-map one to one, the MLM decoder shares the word embedding (its bias is `cls.predictions.bias`)."""
+map one to one, the MLM decoder shares the word embedding (its bias is `cls.predictions.bias`).
+The export holds the true vocabulary only: megazero's padding rows are not part of the model."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ from models.bert import BertConfig
 
 
 def hf_config_dict(config: BertConfig, pad_token_id: int) -> dict:
-    """config.json of the equivalent BertForPreTraining (vocabulary = megazero's padded one)."""
+    """config.json of the equivalent BertForPreTraining (vocabulary = the model's vocab_size, unpadded)."""
     if not config.post_layer_norm:
         raise ValueError("BertForPreTraining is post-LayerNorm; this model was trained with --pre-layer-norm")
-    return {"architectures": ["BertForPreTraining"], "model_type": "bert", "vocab_size": config.padded_vocab_size,
+    return {"architectures": ["BertForPreTraining"], "model_type": "bert", "vocab_size": config.vocab_size,
             "hidden_size": config.hidden_size, "num_hidden_layers": config.num_layers,
             "num_attention_heads": config.num_attention_heads, "intermediate_size": config.ffn_hidden_size,
             "hidden_act": "gelu", "hidden_dropout_prob": config.dropout, "attention_probs_dropout_prob": config.dropout,
@@ -23,8 +24,10 @@ def hf_config_dict(config: BertConfig, pad_token_id: int) -> dict:
 
 
 def to_hf_state_dict(state: dict[str, torch.Tensor], config: BertConfig) -> dict[str, torch.Tensor]:
-    """megazero BERT state dict (TP=1, global names) -> BertForPreTraining state dict."""
-    out = {"bert.embeddings.word_embeddings.weight": state["wte.weight"],
+    """megazero BERT state dict (TP=1, global names) -> BertForPreTraining state dict (the word
+    embedding and the MLM bias without their padding rows)."""
+    vocab = config.vocab_size
+    out = {"bert.embeddings.word_embeddings.weight": state["wte.weight"][:vocab],
            "bert.embeddings.position_embeddings.weight": state["wpe.weight"],
            "bert.embeddings.token_type_embeddings.weight": state["tte.weight"],
            "bert.embeddings.LayerNorm.weight": state["ln_emb.weight"],
@@ -34,7 +37,7 @@ def to_hf_state_dict(state: dict[str, torch.Tensor], config: BertConfig) -> dict
            "cls.predictions.transform.dense.bias": state["lm_dense.bias"],
            "cls.predictions.transform.LayerNorm.weight": state["lm_ln.weight"],
            "cls.predictions.transform.LayerNorm.bias": state["lm_ln.bias"],
-           "cls.predictions.bias": state["lm_bias"],
+           "cls.predictions.bias": state["lm_bias"][:vocab],
            "cls.seq_relationship.weight": state["binary.weight"], "cls.seq_relationship.bias": state["binary.bias"]}
     for i in range(config.num_layers):
         ours, theirs = f"blocks.{i}.", f"bert.encoder.layer.{i}."

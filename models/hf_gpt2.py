@@ -3,7 +3,9 @@
 Hugging Face's GPT-2 stores attention and MLP weights input-by-output (its `Conv1D`), so every
 linear weight is transposed; the fused attention projection keeps megazero's [Q; K; V] order; the
 output layer shares the word embedding (not stored separately). Both use tanh-approximated GeLU
-("gelu_new") and pre-LayerNorm blocks, so logits agree to float rounding.
+("gelu_new") and pre-LayerNorm blocks, so logits agree to float rounding. The export holds the
+true vocabulary only (megazero's padding rows are not part of the model); an import pads it
+again for the model config (zero rows).
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ _NORMS = {"ln_1": "ln_1", "ln_2": "ln_2"}
 
 
 def hf_config_dict(config: GPTConfig, bos_token_id: int, eos_token_id: int) -> dict:
-    """config.json of the equivalent GPT2LMHeadModel (vocabulary = megazero's padded one)."""
+    """config.json of the equivalent GPT2LMHeadModel (vocabulary = the model's vocab_size, unpadded)."""
     if config.ffn_hidden_size != 4 * config.hidden_size:
         raise ValueError(f"GPT-2 needs ffn_hidden_size = 4 x hidden_size, got {config.ffn_hidden_size}")
-    vocab = config.padded_vocab_size
+    vocab = config.vocab_size
     for name, token in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id)):
         if not 0 <= token < vocab:
             raise ValueError(f"{name} {token} is outside the vocabulary of {vocab}")
@@ -46,9 +48,20 @@ def name_pairs(num_layers: int):
 
 
 def to_hf_state_dict(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
-    """megazero GPT state dict (TP=1, global names) -> GPT2LMHeadModel state dict (no lm_head: tied)."""
+    """megazero GPT state dict (TP=1, global names) -> GPT2LMHeadModel state dict (no lm_head: tied;
+    the word embedding without its padding rows)."""
+    state = {**state, "wte.weight": state["wte.weight"][:config.vocab_size]}
     return {theirs: (state[ours].t() if transposed else state[ours]).contiguous()
             for ours, theirs, transposed in name_pairs(config.num_layers)}
+
+
+def _padded_embedding(wte: torch.Tensor, config: GPTConfig) -> torch.Tensor:
+    """The imported word embedding with zero rows up to the config's padded vocabulary (a file
+    exported before megazero stopped exporting its padding already has them)."""
+    if not config.vocab_size <= wte.shape[0] <= config.padded_vocab_size:
+        raise ValueError(f"the word embedding has {wte.shape[0]} rows; the model config expects vocab_size "
+                         f"{config.vocab_size} (padded to {config.padded_vocab_size})")
+    return torch.cat([wte, wte.new_zeros(config.padded_vocab_size - wte.shape[0], wte.shape[1])])
 
 
 def from_hf(hf_config: dict, hf_state: dict[str, torch.Tensor]) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
@@ -63,14 +76,15 @@ def from_hf(hf_config: dict, hf_state: dict[str, torch.Tensor]) -> tuple[GPTConf
     vocab = hf_config["vocab_size"]
     if "megazero_config" in hf_config:  # exported by megazero: the same model config back
         config = GPTConfig(**hf_config["megazero_config"])
-    else:  # any GPT-2: its vocabulary as is (no padding)
+    else:  # any GPT-2: its vocabulary, padded as megazero pads (50,257 -> 50,304), so any TP size splits it
         config = GPTConfig(vocab_size=vocab, seq_length=hf_config["n_positions"], num_layers=hf_config["n_layer"],
                            hidden_size=hf_config["n_embd"], num_attention_heads=hf_config["n_head"],
-                           layernorm_epsilon=hf_config["layer_norm_epsilon"], make_vocab_size_divisible_by=1)
-    if config.padded_vocab_size != vocab:
-        raise ValueError(f"vocab_size {vocab} does not match the model config's padded vocabulary "
-                         f"{config.padded_vocab_size}")
+                           layernorm_epsilon=hf_config["layer_norm_epsilon"])
+    if not config.vocab_size <= vocab <= config.padded_vocab_size:
+        raise ValueError(f"vocab_size {vocab} does not match the model config's vocab_size {config.vocab_size}")
     # older GPT-2 files store the transformer's tensors without the "transformer." prefix
     hf_state = {k if k.startswith(("transformer.", "lm_head.")) else f"transformer.{k}": v for k, v in hf_state.items()}
-    return config, {ours: (hf_state[theirs].t() if transposed else hf_state[theirs]).contiguous()
-                    for ours, theirs, transposed in name_pairs(config.num_layers)}
+    state = {ours: (hf_state[theirs].t() if transposed else hf_state[theirs]).contiguous()
+             for ours, theirs, transposed in name_pairs(config.num_layers)}
+    state["wte.weight"] = _padded_embedding(state["wte.weight"], config)
+    return config, state

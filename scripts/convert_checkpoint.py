@@ -4,8 +4,10 @@
         --target-tensor-parallel-size T --target-pipeline-parallel-size P [--tag TAG]
 
 The source may have any layout (TP, PP, DP, ZeRO stage). The output holds T x P model and
-optimizer files and loads with any data-parallel size and ZeRO stage. An engine can also load a
-checkpoint of another layout directly; converting first makes each rank read only its own files.
+optimizer files and loads with any data-parallel size and ZeRO stage. Where T pads the vocabulary
+differently, padding rows are added (zeros) or dropped: they are not part of the model. An engine
+can also load a checkpoint of another layout directly; converting first makes each rank read only
+its own files.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def stage_parameters(config: GPTConfig, pp: int) -> list[list[StageParameter]]:
     for pp_rank, layers in enumerate(stage_layers(whole, pp)):
         with torch.device("meta"):
             model = GPT(whole, layers=layers, pre_process=pp_rank == 0, post_process=pp_rank == pp - 1)
-        stages.append([StageParameter(model.global_parameter_name(name), *partition_of(p))
+        stages.append([StageParameter(model.global_parameter_name(name), *partition_of(p), rows=p.shape[0])
                        for name, p in model.named_parameters()])
     return stages
 

@@ -4,8 +4,9 @@ transformers model: GPT2LMHeadModel or BertForPreTraining, with config.json, mod
 
     python scripts/export_hf.py --load CKPT --out DIR [--tokenizer-model TOK.model]
 
-Then `from_pretrained(DIR)` gives the same logits. The vocabulary is megazero's padded one; GPT's
-bos/eos are the tokenizer's end-of-document token, BERT's pad is [PAD].
+Then `from_pretrained(DIR)` gives the same logits. The vocabulary is the model's true one (the
+padding rows megazero adds for tensor parallelism are left out); GPT's bos/eos are the tokenizer's
+end-of-document token, BERT's pad is [PAD].
 """
 
 from __future__ import annotations

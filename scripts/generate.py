@@ -4,7 +4,8 @@ with a KV cache.
     python scripts/generate.py --load CKPT --prompt "ROMEO:" --max-new-tokens 100 \
         [--temperature 0.8 --top-k 40 --top-p 0.95 --seed 1234 --no-kv-cache]
 
---temperature 0 is greedy decoding; output with and without the KV cache is identical.
+--temperature 0 is greedy decoding; output with and without the KV cache is identical. Only the
+model's vocab_size tokens are sampled, never the padding ids megazero adds for tensor parallelism.
 """
 
 from __future__ import annotations
@@ -37,10 +38,13 @@ def main(argv=None) -> str:
     args = parser.parse_args(argv)
     tokenizer = SentencePieceTokenizer(args.tokenizer_model)
     model = load_model(args.load, args.tag)
+    if tokenizer.vocab_size != model.config.vocab_size:
+        raise ValueError(f"--tokenizer-model {args.tokenizer_model} has {tokenizer.vocab_size} pieces but the model in "
+                         f"{args.load} was trained with vocab_size {model.config.vocab_size}")
     torch.manual_seed(args.seed)
     ids = torch.tensor([tokenizer.encode(args.prompt)], dtype=torch.long)
     out = model.generate(ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                         vocab_size=tokenizer.vocab_size, use_kv_cache=not args.no_kv_cache)
+                         use_kv_cache=not args.no_kv_cache)
     text = tokenizer.decode(out[0].tolist())
     print(text)
     return text

@@ -126,26 +126,44 @@ def _merge_tensor_parallel(out: ParameterStates, ranks: list[tuple[dict, dict, d
 
 
 # ---- applying to an engine ---------------------------------------------------------------
-def _fit_rows(full: torch.Tensor, rows: int, name: str) -> torch.Tensor:
-    """Pad (zeros) or trim dimension 0: the vocabulary padding depends on the tensor-parallel size."""
+def saved_vocab_size(states: ParameterStates) -> int | None:
+    """The true vocabulary of the model a checkpoint holds (its model_config's vocab_size; None
+    for a model saved without one): rows from there on are padding."""
+    return (states.engine.get("model_config") or {}).get("vocab_size")
+
+
+def fit_vocabulary_rows(full: torch.Tensor, rows: int, name: str, vocab_size: int | None) -> torch.Tensor:
+    """Pad (zeros) or trim dimension 0 to `rows`: the vocabulary padding depends on the tensor-
+    parallel size. Models leave the padding rows out of their function (models/common.py), so
+    adding or dropping them changes nothing, and happens silently. Anything else is an error: a
+    dropped row that is a token, or (vocab_size given) a saved or expected row count below it.
+    vocab_size None (a model saved without a model_config): the rows cannot be told apart, so
+    they are fitted with a warning."""
     if full.shape[0] == rows:
         return full
-    warnings.warn(f"{name}: {full.shape[0]} rows saved, {rows} expected (vocabulary padding for this tensor "
-                  f"parallel size); padding rows are {'added as zeros' if rows > full.shape[0] else 'dropped'}",
-                  stacklevel=4)
+    if vocab_size is None:
+        warnings.warn(f"{name}: {full.shape[0]} rows saved, {rows} expected, and the checkpoint has no "
+                      f"model_config.vocab_size to tell padding rows from tokens; rows are "
+                      f"{'added as zeros' if rows > full.shape[0] else 'dropped'}", stacklevel=4)
+    elif min(rows, full.shape[0]) < vocab_size:
+        raise CheckpointError(f"{name}: {full.shape[0]} rows saved, {rows} expected, but the vocabulary has "
+                              f"{vocab_size} tokens: only padding rows (from {vocab_size} on) can be added or "
+                              f"dropped; the model configs differ")
     if rows < full.shape[0]:
         return full[:rows].clone()
     return torch.cat([full, full.new_zeros((rows - full.shape[0], *full.shape[1:]))])
 
 
-def local_shard(full: torch.Tensor, param: torch.nn.Parameter, shape: torch.Size, grid, name: str) -> torch.Tensor:
-    """This rank's piece of a whole tensor saved for `param` (whose local shape is `shape`)."""
+def local_shard(full: torch.Tensor, param: torch.nn.Parameter, shape: torch.Size, grid, name: str,
+                vocab_size: int | None = None) -> torch.Tensor:
+    """This rank's piece of a whole tensor saved for `param` (whose local shape is `shape`);
+    vocab_size: the saved model's vocabulary (see fit_vocabulary_rows)."""
     if full.dim() == 0 or not is_tensor_parallel(param):
         return full
     tp = grid.tensor_model_parallel_size if grid is not None else 1
     dim, stride = param.partition_dim, param.partition_stride
     if dim == 0:
-        full = _fit_rows(full, shape[0] * tp, name)
+        full = fit_vocabulary_rows(full, shape[0] * tp, name, vocab_size)
     return shard_of(full, dim, tp, grid.tp_rank if grid is not None else 0, stride) if tp > 1 else full
 
 
@@ -153,6 +171,7 @@ def apply_parameter_states(engine, states: ParameterStates, load_optimizer_state
                            global_names: dict[int, str]) -> None:
     """Set the engine's weights (and optimizer states) from whole per-parameter states."""
     shapes = _local_shapes(engine)
+    vocab_size = saved_vocab_size(states)
     locals_by_key: dict[str, dict[int, torch.Tensor]] = {"weight": {}}
     scalars: dict[int, dict] = {}
     for p in engine.module.parameters():
@@ -161,12 +180,14 @@ def apply_parameter_states(engine, states: ParameterStates, load_optimizer_state
         name = global_names[id(p)]
         if name not in states.weights:
             raise CheckpointError(f"parameter {name} is not in the checkpoint")
-        locals_by_key["weight"][id(p)] = local_shard(states.weights[name], p, shapes[id(p)], engine.grid, name)
+        locals_by_key["weight"][id(p)] = local_shard(states.weights[name], p, shapes[id(p)], engine.grid, name,
+                                                     vocab_size)
         if load_optimizer_states:
             scalars[id(p)] = {}
             for key, value in states.optimizer[name].items():
                 if torch.is_tensor(value) and value.dim() > 0:
-                    locals_by_key.setdefault(key, {})[id(p)] = local_shard(value, p, shapes[id(p)], engine.grid, name)
+                    locals_by_key.setdefault(key, {})[id(p)] = local_shard(value, p, shapes[id(p)], engine.grid,
+                                                                           name, vocab_size)
                 else:
                     scalars[id(p)][key] = value
     if load_optimizer_states and len(states.param_groups) != len(engine.optimizer.param_groups):

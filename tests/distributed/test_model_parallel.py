@@ -139,3 +139,87 @@ def test_wall_clock_breakdown_includes_pipeline_exchange(pools, token_dataset_pr
         assert match, (phase, line)
         _, low, high = map(float, match.groups())
         assert low <= high and (phase == "backward_reduce" or high > 0), (phase, line)
+
+
+# ---- vocabulary padding: an implementation detail of the layout ----------------------------
+# 300 tokens with TINY's make_vocab_size_divisible_by 64 are 320 rows at TP=1 and 384 at TP=2
+# (as the recipe's 8,000 are 8,064 and 8,192): padding that really differs between the layouts.
+PADDED_VOCAB = 300
+
+
+def _assert_same_model(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -> None:
+    """Equal parameters; the word embedding (padded differently) equal on its token rows, and its
+    padding rows zero on both sides (they start as zeros and get no gradient)."""
+    assert actual.keys() == expected.keys()
+    for key, value in expected.items():
+        other = actual[key]
+        if other.shape != value.shape:
+            other, value = other[:PADDED_VOCAB], value[:PADDED_VOCAB]
+            assert not actual[key][PADDED_VOCAB:].any() and not expected[key][PADDED_VOCAB:].any(), key
+        torch.testing.assert_close(other, value, rtol=0, atol=PARAM_ATOL, msg=key)
+
+
+@pytest.fixture(scope="module")
+def padded_reference(pools, token_dataset_prefix_module):
+    return pools(1).run(train, base_config(train_micro_batch_size_per_gpu=8), token_dataset_prefix_module, STEPS,
+                        0, None, None, None, {"vocab_size": PADDED_VOCAB})[0]
+
+
+@pytest.mark.parametrize("name,world,layout,overrides,stage,micro",
+                         [x for x in LAYOUTS if x[0] in ("tp2", "tp2_pp2_sp")], ids=["tp2", "tp2_pp2_sp"])
+def test_layout_matches_single_process_when_padding_differs(pools, padded_reference, token_dataset_prefix_module,
+                                                           name, world, layout, overrides, stage, micro):
+    """TP=2 (384 rows) trains as the single process (320 rows): the padding columns are out of the
+    loss. Dropout 0 here: attention dropout draws each TP rank's heads' masks from that rank's
+    tracker state (Megatron's design), a single process draws all heads' masks from the default
+    generator, so TP=2 and one process differ with dropout on whatever the vocabulary (measured
+    with 256 tokens, padded alike: 5.5463 vs 5.5500 at step 2). The next test runs dropout on."""
+    results = pools(world).run(train, _config(stage, micro), token_dataset_prefix_module, STEPS, 0, None, None, None,
+                               {**overrides, "vocab_size": PADDED_VOCAB}, layout)
+    assert results[0]["params"]["wte.weight"].shape[0] == 384 != padded_reference["params"]["wte.weight"].shape[0]
+    for rank_result in results:
+        _assert_losses(padded_reference["losses"], rank_result["losses"], LOSS_RTOL)
+        _assert_same_model(padded_reference["params"], rank_result["params"])
+
+
+def test_padding_does_not_change_the_model_with_dropout(pools, token_dataset_prefix_module):
+    """Dropout 0.1: TP=2 padded to 384 rows trains exactly as TP=2 padded to 320 rows (the single
+    process's padding, make_vocab_size_divisible_by 160), with the same dropout masks."""
+    runs = [pools(2).run(train, _config(0, 8), token_dataset_prefix_module, STEPS, 0, None, None, None,
+                         {"vocab_size": PADDED_VOCAB, "dropout": 0.1, "make_vocab_size_divisible_by": multiple},
+                         (2, 1))[0] for multiple in (64, 160)]
+    assert [r["params"]["wte.weight"].shape[0] for r in runs] == [384, 320]
+    _assert_losses(runs[1]["losses"], runs[0]["losses"], LOSS_RTOL)
+    _assert_same_model(runs[1]["params"], runs[0]["params"])
+
+
+def _padded_cross_entropy(vocab: int, columns_per_rank: int) -> dict[str, float]:
+    """Vocab-parallel cross entropy over `vocab` tokens padded to columns_per_rank x TP columns,
+    against the dense cross entropy over the tokens alone (same seed on every rank)."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from megazero import tensor_parallel as tp
+    from megazero.parallel_state import initialize_model_parallel
+
+    group = initialize_model_parallel(dist.get_world_size(), 1).tp_group
+    rank, padded = dist.get_rank(group), columns_per_rank * dist.get_world_size(group)
+    torch.manual_seed(0)
+    logits, target, weights = torch.randn(4, padded), torch.randint(0, vocab, (4,)), torch.rand(4)
+    local = logits[:, rank * columns_per_rank:(rank + 1) * columns_per_rank].clone().requires_grad_()
+    loss = tp.vocab_parallel_cross_entropy(local, target, group, vocab_size=vocab)
+    (loss * weights).sum().backward()
+    dense = logits[:, :vocab].clone().requires_grad_()
+    expected = F.cross_entropy(dense, target, reduction="none")
+    (expected * weights).sum().backward()
+    grad = torch.cat([dense.grad, torch.zeros(4, padded - vocab)], dim=1)
+    return {"loss": float((loss - expected).abs().max()),
+            "grad": float((local.grad - grad[:, rank * columns_per_rank:(rank + 1) * columns_per_rank]).abs().max())}
+
+
+@pytest.mark.parametrize("vocab", [3, 6], ids=["one_rank_all_padding", "both_ranks_tokens"])
+def test_vocab_parallel_cross_entropy_leaves_padding_out(pools, vocab):
+    """TP=2, 4 columns per rank: the padding columns get no probability and zero gradient, also
+    where a rank holds padding only (its local max is -inf until the all-reduce)."""
+    for result in pools(2).run(_padded_cross_entropy, vocab, 4):
+        assert result["loss"] < 1e-6 and result["grad"] < 1e-7, result
