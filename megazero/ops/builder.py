@@ -151,12 +151,22 @@ def _build(spec: OpSpec, verbose: bool):
     with open(os.path.join(directory, ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # the first rank builds; the others wait, then load its result
         try:
+            _remove_stale_torch_lock(directory)
             return load(name=f"megazero_{spec.name}_{build_key(spec)}",
                         sources=[os.path.join(CSRC, s) for s in spec.sources], extra_cflags=spec.cflags,
                         extra_ldflags=spec.ldflags, extra_cuda_cflags=spec.cuda_cflags if spec.cuda else None,
                         build_directory=directory, verbose=verbose)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _remove_stale_torch_lock(directory: str) -> None:
+    """torch's own lock file (`lock`, its FileBaton) outlives a build that was killed, and every later
+    load would then wait on it for ever. Only megazero builds here, under the flock held by the
+    caller, so a `lock` left now belongs to no live build."""
+    stale = os.path.join(directory, "lock")
+    if os.path.exists(stale):
+        os.remove(stale)
 
 
 def status(name: str) -> dict:

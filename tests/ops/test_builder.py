@@ -79,3 +79,17 @@ def test_build_command_skips_incompatible_ops_when_not_strict():
     run = _build_command("0")
     assert run.returncode == 0, run.stdout + run.stderr
     assert "cpu_optimizers: skipped (no C++ compiler" in run.stdout
+
+
+def test_a_killed_builds_torch_lock_does_not_hang_the_next_build(broken_op, tmp_path):
+    """A build killed mid-way leaves torch's `lock` file in the build directory; the next build must
+    not wait on it for ever (here it reaches the compiler and fails, as a broken op does)."""
+    script = ("from megazero.ops import builder\n"
+              f"builder.SPECS['broken'] = builder.OpSpec('broken', [{str(broken_op)!r}])\n"
+              "import os; d = builder.build_dir(builder.SPECS['broken']); os.makedirs(d, exist_ok=True)\n"
+              "open(os.path.join(d, 'lock'), 'w').close()\n"
+              "print('loaded', builder.load_op('broken'))\n")
+    env = {**os.environ, "PYTHONPATH": REPO, "MEGAZERO_OPS_CACHE": str(tmp_path / "cache"), "MEGAZERO_OPS_STRICT": "0"}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, env=env, timeout=240)
+    assert run.returncode == 0 and "loaded None" in run.stdout, run.stdout + run.stderr
+    assert "unavailable" in run.stderr
