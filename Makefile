@@ -22,7 +22,14 @@ install: $(INSTALL_STAMP)
 $(INSTALL_STAMP): pyproject.toml requirements.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
-	$(BIN)/pip install -q --disable-pip-version-check -r requirements.txt -e ".[dev]"
+	$(BIN)/pip install -q --disable-pip-version-check -r requirements.txt -e ".[dev,hf]"
+	@touch $@
+
+# `make bench` adds the peers it compares against (the `bench` extra: DeepSpeed and what it needs),
+# with torch held at the installed pin so the resolver cannot swap it
+BENCH_STAMP := $(VENV)/.megazero-bench-installed
+$(BENCH_STAMP): pyproject.toml | $(INSTALL_STAMP)
+	$(BIN)/pip install -q --disable-pip-version-check -e ".[bench]" "$(TORCH_SPEC)"
 	@touch $@
 
 data: $(DATA_STAMP)
@@ -56,11 +63,13 @@ test-fast: install
 lint: install
 	$(BIN)/ruff check megazero models scripts tests benchmarks
 
-bench: install data
-	$(BIN)/python benchmarks/bench_zero.py $(ARGS)
+# DeepSpeed on CPU: its CPU accelerator and gloo (its ops JIT-build on first use, 1-2 minutes, cached)
+bench: install data $(BENCH_STAMP)
+	DS_ACCELERATOR=cpu $(BIN)/python benchmarks/bench_zero.py $(ARGS)
+	$(BIN)/python benchmarks/bench_collectives.py
 	$(BIN)/python benchmarks/bench_parallel.py
 	$(BIN)/python benchmarks/bench_activations.py
-	$(BIN)/python benchmarks/bench_cpu_adam.py
+	DS_ACCELERATOR=cpu $(BIN)/python benchmarks/bench_cpu_adam.py
 
 # Compile the CUDA ops against a CUDA build of torch in a separate venv (not part of `make test`);
 # on a machine with a GPU it then runs their tests and benchmarks/gpu_ops.py.
@@ -68,14 +77,16 @@ CUDA_TORCH_SPEC ?= torch==2.14.1
 CUDA_ARCH ?= 9.0
 # the toolkit directory (bin/nvcc, include, lib64); the first /usr/local/cuda-* by default
 CUDA_HOME ?= $(firstword $(wildcard /usr/local/cuda-*) /usr/local/cuda)
+# a directory or page of wheels to search besides pip's configured indexes (none by default)
+CUDA_FIND_LINKS ?=
 check-cuda:
 	@test -x .venv-cuda/bin/python || $(PYTHON) -m venv .venv-cuda
 	@.venv-cuda/bin/python -c "import torch; assert torch.version.cuda" 2>/dev/null || \
-		.venv-cuda/bin/pip install -q --disable-pip-version-check --find-links /opt/pypi-more/files "$(CUDA_TORCH_SPEC)"
+		.venv-cuda/bin/pip install -q --disable-pip-version-check $(if $(CUDA_FIND_LINKS),--find-links "$(CUDA_FIND_LINKS)") "$(CUDA_TORCH_SPEC)"
 	.venv-cuda/bin/pip install -q --disable-pip-version-check numpy ninja pytest sentencepiece safetensors
 	CUDA_HOME=$(CUDA_HOME) TORCH_CUDA_ARCH_LIST=$(CUDA_ARCH) MEGAZERO_OPS_STRICT=1 .venv-cuda/bin/python -m megazero.ops build
 	@if .venv-cuda/bin/python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then \
-		.venv-cuda/bin/python -m pytest -q -m cuda tests/ops && .venv-cuda/bin/python benchmarks/gpu_ops.py; \
+		.venv-cuda/bin/python -m pytest -q -m cuda tests/ops tests/unit/test_peak_flops.py && .venv-cuda/bin/python benchmarks/gpu_ops.py; \
 	else echo "no GPU here: compiled only"; fi
 
 clean:

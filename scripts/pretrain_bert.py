@@ -116,7 +116,8 @@ def main(argv=None) -> dict:
         path, _ = engine.load_checkpoint(args.load)
         if path and rank == 0:
             print(f"resumed from {path} at iteration {engine.global_steps}", flush=True)
-    peak = args.peak_flops or measure_peak_flops(seconds=0.3, cache_path=os.path.join(REPO, ".cache", "peak.json"))
+    peak = args.peak_flops or measure_peak_flops(engine.config.compute_dtype, seconds=0.3,
+                                                 device=next(model.parameters()).device)
     num_params = count_parameters(Bert, config)
     flops = gpt_flops_per_token(num_params, config.num_layers, config.hidden_size, config.seq_length)
     args.seq_length = config.seq_length

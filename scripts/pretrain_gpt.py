@@ -312,7 +312,8 @@ def main(argv=None) -> dict:
             print(f"resumed from {path} at iteration {engine.global_steps}", flush=True)
     stats_path = args.data_path + "_stats.json"
     unigram = json.load(open(stats_path)).get("unigram_entropy_nats") if os.path.exists(stats_path) else None
-    peak = args.peak_flops or measure_peak_flops(seconds=0.3, cache_path=os.path.join(REPO, ".cache", "peak.json"))
+    peak = args.peak_flops or measure_peak_flops(engine.config.compute_dtype, seconds=0.3,
+                                                 device=next(model.parameters()).device)
     num_params = count_parameters(GPT, model.config)
     flops = gpt_flops_per_token(num_params, model.config.num_layers, model.config.hidden_size, args.seq_length)
     if rank == 0:

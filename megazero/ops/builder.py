@@ -5,7 +5,8 @@ never at import: into `~/.cache/megazero/ops/<name>-<key>/` (or `$MEGAZERO_OPS_C
 key hashes the torch version, CUDA version, compiler, target ISA/arch, flags and the sources'
 contents, so a stale build can never be loaded. A file lock makes concurrent ranks build once and
 the others wait and load the result. A failed build becomes one warning and `None` (callers use
-their pure-torch reference), or an error with MEGAZERO_OPS_STRICT=1. `status()` says, per op,
+their pure-torch reference), or an error with MEGAZERO_OPS_STRICT=1 (so is an op incompatible
+with this machine, e.g. a CUDA op on a CPU build of torch). `status()` says, per op,
 whether it is compatible, built, loaded or falling back, and why.
 """
 
@@ -112,7 +113,8 @@ def build_dir(spec: OpSpec) -> str:
     return os.path.join(cache_root(), f"{spec.name}-{build_key(spec)}")
 
 
-def _strict() -> bool:
+def strict() -> bool:
+    """MEGAZERO_OPS_STRICT=1: an op that cannot be built here (broken or incompatible) is an error."""
     return os.environ.get("MEGAZERO_OPS_STRICT", "0") == "1"
 
 
@@ -130,7 +132,7 @@ def load_op(name: str, verbose: bool = False):
         module = _build(spec, verbose)
     except Exception as e:  # a compiler error, a missing tool: the reference path takes over
         _failed[name] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
-        if _strict():
+        if strict():
             raise RuntimeError(f"megazero op {name!r} could not be built (MEGAZERO_OPS_STRICT=1): {e}") from e
         warnings.warn(f"megazero op {name!r} unavailable ({_failed[name]}); using the pure-torch reference",
                       stacklevel=2)
@@ -149,12 +151,22 @@ def _build(spec: OpSpec, verbose: bool):
     with open(os.path.join(directory, ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # the first rank builds; the others wait, then load its result
         try:
+            _remove_stale_torch_lock(directory)
             return load(name=f"megazero_{spec.name}_{build_key(spec)}",
                         sources=[os.path.join(CSRC, s) for s in spec.sources], extra_cflags=spec.cflags,
                         extra_ldflags=spec.ldflags, extra_cuda_cflags=spec.cuda_cflags if spec.cuda else None,
                         build_directory=directory, verbose=verbose)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _remove_stale_torch_lock(directory: str) -> None:
+    """torch's own lock file (`lock`, its FileBaton) outlives a build that was killed, and every later
+    load would then wait on it for ever. Only megazero builds here, under the flock held by the
+    caller, so a `lock` left now belongs to no live build."""
+    stale = os.path.join(directory, "lock")
+    if os.path.exists(stale):
+        os.remove(stale)
 
 
 def status(name: str) -> dict:

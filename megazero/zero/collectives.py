@@ -1,7 +1,8 @@
 """Reduce-scatter and all-gather over equal chunks, built from what is fast on each backend.
 
-On NCCL the native reduce_scatter_tensor / all_gather_into_tensor are used. On gloo they are 3-4x
-slower than point-to-point and broadcast (measured: ../shared/FACTS.md), so there a reduce-scatter
+On NCCL the native reduce_scatter_tensor / all_gather_into_tensor are used. On gloo they are
+several times slower than point-to-point and broadcast (benchmarks/bench_collectives.py; numbers in
+the README), so there a reduce-scatter
 is built from isend/irecv plus local adds, and an all-gather from one broadcast per rank. Both
 work in place on a buffer of N equal chunks and return a handle whose wait() completes them, so a
 bucket's communication can overlap the rest of backward.

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.bert_helpers import SPECIAL, bert_dataset, train_bert, write_sentence_dataset
+from tests.hf_helpers import require_transformers
 from tests.training_helpers import base_config
 
 STEPS = 6
@@ -95,7 +96,7 @@ def test_pre_layer_norm_variant_trains(pools, sentence_prefix):
 def test_export_to_transformers_bert(pools, sentence_prefix, tmp_path):
     """A BERT trained at TP=2 x PP=2 exports as a BertForPreTraining with the same MLM and sentence
     logits (fp32, within 1e-5)."""
-    pytest.importorskip("transformers")
+    require_transformers()
     import os
 
     os.environ["HF_HUB_OFFLINE"] = "1"

@@ -1,6 +1,7 @@
 """The op builder: cache keys follow the sources, a broken op falls back with one warning (or
 raises under MEGAZERO_OPS_STRICT=1), CUDA ops are skipped with a reason on a CPU build of torch,
-and `python -m megazero.ops report` says where each op stands."""
+`python -m megazero.ops build` fails under strict mode when an op is skipped as incompatible, and
+`python -m megazero.ops report` says where each op stands."""
 
 from __future__ import annotations
 
@@ -58,3 +59,37 @@ def test_report_command():
     out = subprocess.run([sys.executable, "-m", "megazero.ops", "report"], capture_output=True, text=True, cwd=REPO,
                          env={**os.environ, "PYTHONPATH": REPO}, check=True).stdout
     assert "cpu_optimizers" in out and "cuda_kernels" in out and "compatible" in out
+
+
+def _build_command(strict: str) -> subprocess.CompletedProcess:
+    # no compiler on PATH makes every op incompatible here, so nothing is compiled either way
+    env = {**os.environ, "PYTHONPATH": REPO, "CXX": "megazero-no-such-compiler", "MEGAZERO_OPS_STRICT": strict}
+    return subprocess.run([sys.executable, "-m", "megazero.ops", "build"], capture_output=True, text=True, cwd=REPO,
+                          env=env)
+
+
+def test_build_command_fails_under_strict_when_an_op_is_incompatible():
+    run = _build_command("1")
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "cpu_optimizers: FAILED: incompatible here and MEGAZERO_OPS_STRICT=1 (no C++ compiler" in run.stdout
+    assert "2 op(s) not built" in run.stderr
+
+
+def test_build_command_skips_incompatible_ops_when_not_strict():
+    run = _build_command("0")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "cpu_optimizers: skipped (no C++ compiler" in run.stdout
+
+
+def test_a_killed_builds_torch_lock_does_not_hang_the_next_build(broken_op, tmp_path):
+    """A build killed mid-way leaves torch's `lock` file in the build directory; the next build must
+    not wait on it for ever (here it reaches the compiler and fails, as a broken op does)."""
+    script = ("from megazero.ops import builder\n"
+              f"builder.SPECS['broken'] = builder.OpSpec('broken', [{str(broken_op)!r}])\n"
+              "import os; d = builder.build_dir(builder.SPECS['broken']); os.makedirs(d, exist_ok=True)\n"
+              "open(os.path.join(d, 'lock'), 'w').close()\n"
+              "print('loaded', builder.load_op('broken'))\n")
+    env = {**os.environ, "PYTHONPATH": REPO, "MEGAZERO_OPS_CACHE": str(tmp_path / "cache"), "MEGAZERO_OPS_STRICT": "0"}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, env=env, timeout=240)
+    assert run.returncode == 0 and "loaded None" in run.stdout, run.stdout + run.stderr
+    assert "unavailable" in run.stderr

@@ -12,6 +12,7 @@ import torch
 
 from models.gpt_checkpoint import load_model
 from tests.conftest import CORPUS_PREFIX
+from tests.hf_helpers import require_transformers
 from tests.training_helpers import base_config, build_engine, global_mean, train
 
 TOKENIZER = CORPUS_PREFIX + "_tokenizer.model"
@@ -67,7 +68,7 @@ def test_generate_with_and_without_cache(trained, corpus_prefix):
 
 
 def test_export_to_transformers_and_back(trained, corpus_prefix, tmp_path):
-    pytest.importorskip("transformers")
+    require_transformers()
     os.environ["HF_HUB_OFFLINE"] = "1"
     from transformers import GPT2LMHeadModel
 
