@@ -153,6 +153,7 @@ class MicroBatchStreams:
         device = _device_of_default()
         saved_tracker = _TRACKER.get_states()
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device == "cuda" else []):
+            _TRACKER.reset()  # without TP, fork() must be a no-op, whatever an earlier engine left there
             if self.tp_size > 1:
                 _TRACKER.add(MODEL_PARALLEL_RNG, tracker_seed)
             torch.default_generator.manual_seed(default_seed)

@@ -55,6 +55,17 @@ def test_the_process_generators_are_left_as_they_were():
     get_rng_tracker().reset()
 
 
+def test_without_tensor_parallelism_the_tracker_is_not_used():
+    """A tracker state left by an earlier TP engine in the same process must not feed a TP=1 forward."""
+    get_rng_tracker().reset()
+    get_rng_tracker().add(MODEL_PARALLEL_RNG, 7)
+    stale = _draw(MicroBatchStreams(1), 0, 0)
+    get_rng_tracker().reset()
+    clean = _draw(MicroBatchStreams(1), 0, 0)
+    assert torch.equal(stale[1], clean[1])
+    assert not torch.equal(clean[0], clean[1]), "TP=1: the attention draws continue the default stream"
+
+
 def test_counting_parameters_consumes_no_random_numbers():
     """The recipe counts parameters after restoring a checkpoint's RNG states (issue 12's resume drift)."""
     torch.manual_seed(0)
