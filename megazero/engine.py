@@ -12,6 +12,7 @@ when possible), step the optimizer on the fp32 master weights, write them into t
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -25,6 +26,7 @@ from megazero.parallel_state import ParallelGrid
 from megazero.precision import LossScaler
 from megazero.profiling.memory import ActivationMeter
 from megazero.profiling.timers import Timers
+from megazero.tensor_parallel.random import MicroBatchStreams
 from megazero.tensor_parallel.utils import is_tensor_parallel
 
 
@@ -68,6 +70,11 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         self.last_step_overflowed = False
         self.last_flops_profile: str | None = None
         self.last_activation_bytes = 0  # what the last forward kept for backward
+        # dropout streams keyed by (step, micro-batch, stage, TP rank); the seed is saved in checkpoints
+        self.rng_streams = MicroBatchStreams(config.seed if config.seed is not None else torch.initial_seed() % 2**31,
+                                             grid.pp_rank if grid else 0, grid.tp_rank if grid else 0,
+                                             grid.tensor_model_parallel_size if grid else 1)
+        self._pipeline_micro: int | None = None  # the 1F1B schedule's micro-batch in forward
         # unscale/clip inside the optimizer's own pass: torch's fused Adam, megazero's CPU ops
         self._optimizer_unscales = getattr(optimizer, "supports_grad_scale", False) or (
             isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and bool(optimizer.defaults.get("fused")))
@@ -119,7 +126,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
             profiler = FlopsProfiler(self.module)
             profiler.start_profile()
         self.timers("forward").start()
-        with ActivationMeter() as meter:
+        with self._random_streams(), ActivationMeter() as meter:
             out = self.module(*inputs, **kwargs)
         self.last_activation_bytes = meter.bytes
         self.timers("forward").stop()
@@ -131,6 +138,15 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
             if self.global_rank == 0 and profile.output_file is None:
                 print(self.last_flops_profile, flush=True)
         return out
+
+    def _random_streams(self):
+        """Training forwards draw dropout from this micro-batch's keyed streams (so that a resumed
+        run draws what an uninterrupted one does); evaluation leaves the generators alone."""
+        if not self.module.training:
+            return contextlib.nullcontext()
+        micro = self._pipeline_micro if self._pipeline_micro is not None else \
+            self.micro_steps % self.gradient_accumulation_steps()
+        return self.rng_streams.micro_batch(self.global_steps, micro * self.dp_world_size + self.dp_rank)
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Backward of loss * loss_scale / accumulation_steps; reduces gradients on the boundary."""
@@ -250,7 +266,11 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
 
         def forward_step(m: int, received: torch.Tensor | None) -> torch.Tensor:
             kwargs = dict(batches[m]) if received is None else {**batches[m], "hidden_states": received}
-            output = self(**kwargs)
+            self._pipeline_micro = m
+            try:
+                output = self(**kwargs)
+            finally:
+                self._pipeline_micro = None
             if grid.is_last_stage:
                 losses.append(output.detach().float())
             return output

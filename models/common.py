@@ -96,6 +96,8 @@ def seeded(seed: int):
 
 def count_parameters(model_class, config: ModelConfig) -> int:
     """Parameters of the whole model (all stages and shards; a tied embedding once), counted on the
-    meta device without allocating anything."""
-    with torch.device("meta"):
+    meta device without allocating anything, and without consuming random numbers (building a
+    model draws its layers' base seed; a count after a checkpoint's RNG states were restored
+    must not move them)."""
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
         return model_class(config.whole()).num_parameters()

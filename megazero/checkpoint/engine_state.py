@@ -11,7 +11,9 @@ Files of save_dir/tag/ (names in checkpoint.files), per (tensor rank TP, pipelin
 Resuming at the same layout restores all of it, and the engine's data loader position, so a
 resumed run continues bit for bit like an uninterrupted one. At any other layout (TP, PP, DP or
 ZeRO stage changed) the states are reassembled per parameter and cut again (checkpoint.universal);
-RNG states are then not restored.
+the per-rank generator states are then not restored. Dropout does not depend on them: training
+forwards draw from streams keyed by the seed (saved in the model file, restored at every layout),
+the step and the micro-batch's coordinates (tensor_parallel.random.MicroBatchStreams).
 """
 
 from __future__ import annotations
@@ -138,6 +140,7 @@ def _model_state(engine, client_state: dict, names: dict[int, str]) -> dict:
         "zero_stage": engine.dp.stage,
         "train_batch_size": engine.train_batch_size(),
         "client_state": client_state,
+        "rng_seed": engine.rng_streams.seed,
     }
 
 
@@ -214,12 +217,15 @@ def load_engine_checkpoint(engine, load_dir, tag, load_optimizer_states: bool, l
     _restore_engine_state(engine, state, load_lr_scheduler_states)
     if not same:  # another layout may accumulate another number of micro-batches per step
         engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
+    if state.get("rng_seed") is not None:  # the dropout streams' seed: layout-independent
+        engine.rng_streams.seed = int(state["rng_seed"])
     rng_path = os.path.join(path, rng_file(engine.global_rank))
     if same and os.path.isfile(rng_path):
         restore_rng_state(load_file(rng_path))
     else:
-        warnings.warn(f"{path}: saved at another layout (or without {rng_file(engine.global_rank)}): RNG states "
-                      f"not restored", stacklevel=3)
+        warnings.warn(f"{path}: saved at another layout (or without {rng_file(engine.global_rank)}): this rank's "
+                      f"torch/python/numpy generator states not restored (dropout streams are keyed by seed, step "
+                      f"and micro-batch, so they continue)", stacklevel=3)
     return path, state["client_state"]
 
 

@@ -6,6 +6,13 @@ must draw different masks per TP rank. The default generator (seeded identically
 serves the first; the tracker holds a named extra state, seeded per TP rank, and `fork(name)`
 runs a block with it swapped in. Activation checkpointing saves and restores the tracker's
 states with the default ones, so recomputed dropout masks equal the original ones.
+
+Training forwards draw from keyed streams (MicroBatchStreams): before each micro-batch the engine
+seeds the default generator and the tracker from (seed, step, micro-batch index in the global
+batch, pipeline stage[, TP rank]) and puts the process's own states back afterwards. Dropout masks
+are then a function of where a micro-batch is in training, not of what consumed random numbers
+before it (an evaluation, a sample, a throughput probe, a restart), so a resumed run draws the
+masks of an uninterrupted one at any layout that keeps those coordinates.
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ import torch
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 _TP_SEED_OFFSET = 2718  # Megatron's offset: the TP seeds differ from the data seed
+_MASK64 = (1 << 64) - 1
+_DEFAULT_STREAM, _TENSOR_PARALLEL_STREAM = 1, 2  # stream kinds: their seeds never coincide
 
 
 def _device_of_default() -> str:
@@ -94,3 +103,63 @@ def model_parallel_seed(seed: int, tp_rank: int) -> None:
     """Seed the default generator with `seed` (same on all TP ranks) and the tracker (seed_tracker)."""
     torch.manual_seed(seed)
     seed_tracker(seed, tp_rank)
+
+
+def _mix64(value: int) -> int:
+    """splitmix64's finaliser: nearby inputs give unrelated 64-bit outputs."""
+    value = (value + 0x9E3779B97F4A7C15) & _MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return value ^ (value >> 31)
+
+
+def stream_seed(seed: int, *coordinates: int) -> int:
+    """A 63-bit generator seed that depends on `seed` and every coordinate, in order (the same on
+    every machine and torch version)."""
+    value = _mix64(seed & _MASK64)
+    for coordinate in coordinates:
+        if coordinate < 0:
+            raise ValueError(f"stream coordinates must be >= 0, got {coordinates}")
+        value = _mix64(value ^ coordinate)
+    return value >> 1
+
+
+class MicroBatchStreams:
+    """The random streams a training forward draws from, keyed by where the micro-batch is.
+
+    Micro-batch `index` of a global batch is numbered micro_index * dp_size + dp_rank, which is
+    the order DistributedBatchLoader hands out samples in, so a micro-batch of the same samples
+    gets the same number at every data-parallel size (and gradient accumulation that keeps the
+    micro-batch size). The default generator's stream (dropout on activations every TP rank holds
+    whole) is the same on all TP ranks; the tracker's (inside the tensor-parallel region, and
+    sequence-parallel activations) differs per TP rank; both differ per pipeline stage, which
+    holds other layers.
+    """
+
+    def __init__(self, seed: int, pp_rank: int = 0, tp_rank: int = 0, tp_size: int = 1):
+        self.seed = int(seed)
+        self.pp_rank, self.tp_rank, self.tp_size = pp_rank, tp_rank, tp_size
+
+    def seeds(self, step: int, index: int) -> tuple[int, int]:
+        """(default generator seed, tracker seed) of micro-batch `index` of step `step` (0-based)."""
+        return (stream_seed(self.seed, _DEFAULT_STREAM, step, index, self.pp_rank),
+                stream_seed(self.seed, _TENSOR_PARALLEL_STREAM, step, index, self.pp_rank, self.tp_rank))
+
+    @contextlib.contextmanager
+    def micro_batch(self, step: int, index: int):
+        """Run a training forward on this micro-batch's streams; the process's generators (CPU, the
+        current CUDA device) and the tracker's states are as before afterwards."""
+        default_seed, tracker_seed = self.seeds(step, index)
+        device = _device_of_default()
+        saved_tracker = _TRACKER.get_states()
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device == "cuda" else []):
+            _TRACKER.reset()  # without TP, fork() must be a no-op, whatever an earlier engine left there
+            if self.tp_size > 1:
+                _TRACKER.add(MODEL_PARALLEL_RNG, tracker_seed)
+            torch.default_generator.manual_seed(default_seed)
+            if device == "cuda":
+                torch.cuda.manual_seed(default_seed)  # the current device only, which fork_rng restores
+            try:
+                yield
+            finally:
+                _TRACKER.set_states(saved_tracker)

@@ -5,10 +5,11 @@ Each case trains the source layout 3 steps, saves, and goes on to step 5; the ta
 loads the step-3 checkpoint and trains to step 5. fp32; the layouts differ only in summation
 order, so losses agree to ~1e-7 relative (checked at 1e-5).
 
-Dropout is 0 in these cases: at another layout the RNG states cannot be carried over (a
-checkpoint holds one state per rank of the old layout), so with dropout on the masks after the
-load differ from the source run's and so do the losses, by design (a same-layout resume
-restores them).
+Dropout is 0 in the cases that change TP or PP, and only there: dropout masks are drawn per TP rank
+inside the tensor-parallel region and per pipeline stage (see test_model_parallel), so the target
+layout runs its own masks from step 4 on, as it would have from step 1. With dropout on, the
+data-parallel size and ZeRO stage change exactly (test_zero_checkpoint), and the same layout
+resumes bit for bit (test_checkpoint).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO
-from tests.training_helpers import base_config, train
+from tests.training_helpers import NO_DROPOUT, base_config, train
 
 SAVE_AT, STEPS = 3, 5
 LOSS_RTOL = 1e-5
@@ -42,7 +43,8 @@ def _run(pools, prefix: str, layout: tuple[int, int, int, int], save_dir=None, l
     zero = {"stage": stage, "reduce_bucket_size": 20000, "stage3_param_persistence_threshold": 0}
     config = base_config(train_micro_batch_size_per_gpu=2 if pp > 1 else 8 // dp, zero_optimization=zero)
     results = pools(tp * pp * dp).run(_train_recording_warnings, config, prefix, STEPS, 0, save_dir,
-                                      SAVE_AT if save_dir else None, load_dir, model_overrides, (tp, pp))
+                                      SAVE_AT if save_dir else None, load_dir,
+                                      {**NO_DROPOUT, **(model_overrides or {})}, (tp, pp))
     return results[0]
 
 

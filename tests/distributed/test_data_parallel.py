@@ -1,4 +1,4 @@
-"""Data parallelism (ZeRO stages 0-2) and gradient accumulation match the single-process run."""
+"""Data parallelism (ZeRO stages 0-3) and gradient accumulation match the single-process run, dropout on."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.precision_bounds import assert_weights_within_format, warmup_lr_sum
-from tests.training_helpers import base_config, build_engine, train
+from tests.training_helpers import NO_DROPOUT, base_config, build_engine, train
 
 STEPS = 10
 # fp32: the only difference between layouts is the order of the gradient summation
@@ -29,10 +29,26 @@ def _assert_same_run(ref: dict, other: dict, loss_rtol: float = LOSS_RTOL, param
     assert ref["losses"][-1] < ref["losses"][0]
 
 
+def _single_process(pools, prefix: str):
+    """get(micro, **config) -> the single-process run of each global batch of 8 as 8 // micro
+    accumulated micro-batches of `micro` (cached). Dropout is on: a data-parallel layout's
+    micro-batches of the same size draw the same masks as these (micro-batch i of a step, counted
+    micro-step by micro-step and rank by rank, has the same dropout stream at every DP size)."""
+    made = {}
+
+    def get(micro: int, **extra) -> dict:
+        key = (micro, tuple(sorted(extra)))
+        if key not in made:
+            config = base_config(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=8 // micro, **extra)
+            made[key] = pools(1).run(train, config, prefix, STEPS)[0]
+        return made[key]
+
+    return get
+
+
 @pytest.fixture(scope="module")
 def reference(pools, token_dataset_prefix_module):
-    return pools(1).run(train, base_config(train_micro_batch_size_per_gpu=8), token_dataset_prefix_module,
-                        STEPS)[0]
+    return _single_process(pools, token_dataset_prefix_module)
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +57,8 @@ def initial_weights(pools, token_dataset_prefix_module):
 
 
 @pytest.fixture(scope="module")
-def bf16_reference(pools, token_dataset_prefix_module):
-    return pools(1).run(train, base_config(train_micro_batch_size_per_gpu=8, bf16={"enabled": True}),
-                        token_dataset_prefix_module, STEPS)[0]
+def bf16_reference(reference):
+    return lambda micro: reference(micro, bf16={"enabled": True})
 
 
 def _zero(stage: int) -> dict:
@@ -57,7 +72,7 @@ def test_data_parallel_matches_single_process(pools, reference, token_dataset_pr
     results = pools(world_size).run(train, base_config(zero_optimization=_zero(stage)), token_dataset_prefix_module,
                                     STEPS)
     for rank_result in results:
-        _assert_same_run(reference, rank_result)
+        _assert_same_run(reference(8 // world_size), rank_result)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -66,7 +81,7 @@ def test_zero_with_accumulation_and_clipping(pools, reference, token_dataset_pre
     config = base_config(train_micro_batch_size_per_gpu=8 // world_size // 2, gradient_accumulation_steps=2,
                          zero_optimization=_zero(stage))
     for rank_result in pools(world_size).run(train, config, token_dataset_prefix_module, STEPS):
-        _assert_same_run(reference, rank_result)
+        _assert_same_run(reference(8 // world_size // 2), rank_result)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -75,21 +90,28 @@ def test_bf16_matches_single_process_bf16(pools, bf16_reference, initial_weights
                                           world_size, stage):
     config = base_config(bf16={"enabled": True}, zero_optimization=_zero(stage))
     for rank_result in pools(world_size).run(train, config, token_dataset_prefix_module, STEPS):
-        _assert_same_run(bf16_reference, rank_result, BF16_LOSS_RTOL, None)
-        assert_weights_within_format(rank_result["params"], bf16_reference["params"], initial_weights, "bf16",
+        reference_run = bf16_reference(8 // world_size)
+        _assert_same_run(reference_run, rank_result, BF16_LOSS_RTOL, None)
+        assert_weights_within_format(rank_result["params"], reference_run["params"], initial_weights, "bf16",
                                      warmup_lr_sum(3e-3, 3, STEPS))
 
 
-def test_gradient_accumulation_4x1_matches_1x4(pools, reference, token_dataset_prefix_module):
+def test_gradient_accumulation_4x1_matches_1x4(pools, token_dataset_prefix_module):
+    """Accumulation's arithmetic (1/4 of each micro-batch's loss): dropout 0, because a batch of 8
+    and four micro-batches of 2 draw different dropout masks by construction (one mask per
+    forward); with dropout on, accumulation is checked against data parallelism, which runs the
+    same micro-batches (test_accumulation_with_data_parallel, test_data_parallel_matches_...)."""
+    whole = pools(1).run(train, base_config(train_micro_batch_size_per_gpu=8), token_dataset_prefix_module, STEPS,
+                         0, None, None, None, NO_DROPOUT)[0]
     config = base_config(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=4)
-    accumulated = pools(1).run(train, config, token_dataset_prefix_module, STEPS)[0]
-    _assert_same_run(reference, accumulated)
+    accumulated = pools(1).run(train, config, token_dataset_prefix_module, STEPS, 0, None, None, None, NO_DROPOUT)[0]
+    _assert_same_run(whole, accumulated)
 
 
 def test_accumulation_with_data_parallel(pools, reference, token_dataset_prefix_module):
     config = base_config(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2)
     for rank_result in pools(2).run(train, config, token_dataset_prefix_module, STEPS):
-        _assert_same_run(reference, rank_result)
+        _assert_same_run(reference(2), rank_result)
 
 
 def _bucket_launch_during_backward(prefix: str) -> dict:
@@ -121,4 +143,4 @@ def test_activation_recompute_matches(pools, reference, token_dataset_prefix_mod
     results = pools(2).run(train, base_config(zero_optimization=_zero(stage)), token_dataset_prefix_module, STEPS,
                            0, None, None, None, {"recompute_granularity": granularity})
     for rank_result in results:
-        _assert_same_run(reference, rank_result)
+        _assert_same_run(reference(4), rank_result)

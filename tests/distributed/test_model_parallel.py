@@ -1,6 +1,14 @@
 """Tensor, sequence and pipeline parallelism (alone, combined, and with data parallelism / ZeRO)
 match the single-process model: same seed, same data, 10 steps.
 
+Against the single process, dropout is 0, and only there: as in Megatron, a TP rank draws its own
+masks inside the tensor-parallel region (its attention heads; its sequence shard under SP: the
+tracker, seeded per TP rank) and the same masks as its TP peers outside it, and each pipeline
+stage draws from its own stream (Megatron: seed + 100 x stage). A split model therefore runs other
+masks than the whole one, equally valid but not equal. With dropout on (0.1), the tests below
+check what must then be exact: data parallelism and ZeRO inside a model-parallel layout (same
+micro-batches, same masks), recomputation, and TP peers staying identical where they replicate.
+
 Tolerances (fp32): relative loss difference <= 1e-5 per step; every parameter's gradient of the
 first batch, gathered, within 1e-5 relative (in norm) of the single-process one; final weights
 within 2e-5. The layouts differ only in the order of floating-point sums (split matmuls,
@@ -14,7 +22,7 @@ import re
 import pytest
 import torch
 
-from tests.training_helpers import base_config, first_step_gradients, train
+from tests.training_helpers import NO_DROPOUT, base_config, first_step_gradients, train
 
 STEPS = 10
 LOSS_RTOL = 1e-5
@@ -49,12 +57,14 @@ def _config(stage: int, micro: int, **extra) -> dict:
 
 @pytest.fixture(scope="module")
 def reference(pools, token_dataset_prefix_module):
-    return pools(1).run(train, base_config(train_micro_batch_size_per_gpu=8), token_dataset_prefix_module, STEPS)[0]
+    """The single process at dropout 0 (see the module docstring)."""
+    return pools(1).run(train, base_config(train_micro_batch_size_per_gpu=8), token_dataset_prefix_module, STEPS,
+                        0, None, None, None, NO_DROPOUT)[0]
 
 
 @pytest.fixture(scope="module")
 def reference_gradients(pools, token_dataset_prefix_module):
-    return pools(1).run(first_step_gradients, token_dataset_prefix_module, None, None)[0]
+    return pools(1).run(first_step_gradients, token_dataset_prefix_module, None, NO_DROPOUT)[0]
 
 
 def _assert_losses(ref: list[float], other: list[float], rtol: float) -> None:
@@ -67,7 +77,7 @@ def _assert_losses(ref: list[float], other: list[float], rtol: float) -> None:
 def test_layout_matches_single_process(pools, reference, token_dataset_prefix_module, name, world, layout,
                                        overrides, stage, micro):
     results = pools(world).run(train, _config(stage, micro), token_dataset_prefix_module, STEPS, 0, None, None,
-                               None, overrides, layout)
+                               None, {**NO_DROPOUT, **overrides}, layout)
     for rank_result in results:
         _assert_losses(reference["losses"], rank_result["losses"], LOSS_RTOL)
         assert rank_result["params"].keys() == reference["params"].keys()
@@ -81,7 +91,7 @@ def test_layout_matches_single_process(pools, reference, token_dataset_prefix_mo
 def test_gradients_match_single_process(pools, reference_gradients, token_dataset_prefix_module, name, world,
                                         layout, overrides, stage, micro):
     zero = {"stage": stage, "reduce_bucket_size": 20000, "stage3_param_persistence_threshold": 0}
-    results = pools(world).run(first_step_gradients, token_dataset_prefix_module, layout, overrides,
+    results = pools(world).run(first_step_gradients, token_dataset_prefix_module, layout, {**NO_DROPOUT, **overrides},
                                {"train_micro_batch_size_per_gpu": micro, "zero_optimization": zero})
     for grads in results:
         assert grads.keys() == reference_gradients.keys()
@@ -97,11 +107,61 @@ def test_low_precision_with_model_parallelism(pools, token_dataset_prefix_module
                                                                             "initial_scale_power": 12}}
     micro = 2 if layout[1] > 1 else 8
     ref = pools(1).run(train, base_config(train_micro_batch_size_per_gpu=micro, **extra),
-                       token_dataset_prefix_module, STEPS)[0]
+                       token_dataset_prefix_module, STEPS, 0, None, None, None, NO_DROPOUT)[0]
     for result in pools(2).run(train, _config(stage, micro, **extra), token_dataset_prefix_module, STEPS, 0, None,
-                               None, None, None, layout):
+                               None, None, NO_DROPOUT, layout):
         _assert_losses(ref["losses"], result["losses"], LOW_PRECISION_RTOL)
         assert result["skipped"] == ref["skipped"]
+
+
+# (name, (TP, PP), model overrides, micro-batch size): dropout on; each run against the same layout
+# with DP=2 (ZeRO 1-3), the micro-batches of one rank's accumulation shared out over two ranks
+DROPOUT_LAYOUTS = [
+    ("tp2_zero3", (2, 1), {}, 3, 4),
+    ("tp2_sp_zero1", (2, 1), {"sequence_parallel": True}, 1, 4),
+    ("pp2_zero2", (1, 2), {}, 2, 2),
+]
+
+
+@pytest.mark.parametrize("name,layout,overrides,stage,micro", DROPOUT_LAYOUTS, ids=[x[0] for x in DROPOUT_LAYOUTS])
+def test_data_parallel_inside_model_parallel_with_dropout(pools, reference, token_dataset_prefix_module, name,
+                                                          layout, overrides, stage, micro):
+    alone = pools(2).run(train, _config(0, micro, gradient_accumulation_steps=8 // micro), token_dataset_prefix_module,
+                         STEPS, 0, None, None, None, overrides, layout)
+    with_dp = pools(4).run(train, _config(stage, micro), token_dataset_prefix_module, STEPS, 0, None, None, None,
+                           overrides, layout)
+    for result in alone + with_dp:
+        _assert_losses(alone[0]["losses"], result["losses"], LOSS_RTOL)
+        for key, value in alone[0]["params"].items():
+            torch.testing.assert_close(result["params"][key], value, rtol=0, atol=PARAM_ATOL, msg=key)
+    for result in alone[1:]:  # TP peers / stages gather the same whole model: replicated tensors agree exactly
+        assert all(torch.equal(result["params"][k], v) for k, v in alone[0]["params"].items())
+    assert alone[0]["losses"] != reference["losses"], "dropout is on: the masks change the losses"
+
+
+# (name, world, (TP, PP), zero stage, micro-batch size, granularity): dropout on, bit for bit
+RECOMPUTE_LAYOUTS = [
+    ("pp2_full", 2, (1, 2), 1, 2, "full"),
+    ("tp2_sp_selective", 2, (2, 1), 0, 8, "selective"),
+    ("dp2_zero3_full", 2, (1, 1), 3, 4, "full"),
+]
+
+
+@pytest.mark.parametrize("name,world,layout,stage,micro,granularity", RECOMPUTE_LAYOUTS,
+                         ids=[x[0] for x in RECOMPUTE_LAYOUTS])
+def test_recompute_is_bit_exact_with_dropout(pools, token_dataset_prefix_module, name, world, layout, stage, micro,
+                                             granularity):
+    """Recomputed dropout masks equal the forward's (default generator and tracker restored), in
+    the 1F1B schedule (backwards interleaved with later micro-batches' forwards) and under ZeRO-3's
+    re-gathering: the runs are identical, not close."""
+    sp = {"sequence_parallel": True} if "sp" in name else {}
+    config = _config(stage, micro)
+    plain = pools(world).run(train, config, token_dataset_prefix_module, 4, 0, None, None, None, sp, layout)
+    recomputed = pools(world).run(train, config, token_dataset_prefix_module, 4, 0, None, None, None,
+                                  {**sp, "recompute_granularity": granularity}, layout)
+    for a, b in zip(plain, recomputed):
+        assert a["losses"] == b["losses"]
+        assert all(torch.equal(b["params"][k], v) for k, v in a["params"].items())
 
 
 def test_pipeline_refuses_zero3(pools, token_dataset_prefix_module):

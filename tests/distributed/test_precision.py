@@ -98,11 +98,13 @@ def _engine_vs_torch(prefix: str) -> float:
     engine, _, _, _ = megazero.initialize(model=model, config=config)
     opt = torch.optim.AdamW(reference.parameters(), lr=3e-3, weight_decay=0.1)
     gen = torch.Generator().manual_seed(1)
-    for _ in range(3):
+    for step in range(3):
         ids = torch.randint(0, 256, (8, TINY["seq_length"] + 1), generator=gen)
         engine.backward(engine(ids[:, :-1], ids[:, 1:]))
         engine.step()
-        reference(ids[:, :-1], ids[:, 1:]).backward()
+        with engine.rng_streams.micro_batch(step, 0):  # dropout on: the engine's masks for this micro-batch
+            loss = reference(ids[:, :-1], ids[:, 1:])
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
         opt.step()
         opt.zero_grad()

@@ -1,0 +1,62 @@
+"""Issue 12 as reported: the GPT recipe under torchrun on 2 ranks with --dropout 0.1 and a WarmupLR
+schedule, 8 iterations straight versus 4 iterations, save, and a resume to 8. The losses of
+iterations 5-8 (TensorBoard's float32 `lm loss`, logged every iteration) must be equal, not close,
+at DP=2, TP=2 and PP=2. The first run ends the way a user's run does (validation, checkpoint,
+sample), so anything drawing random numbers between the save and the next step would show."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.recipes.test_pretrain_gpt import _scalars
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+pytestmark = pytest.mark.slow
+
+LAYOUTS = {"dp2": (), "tp2": ("--tensor-model-parallel-size", "2"), "pp2": ("--pipeline-model-parallel-size", "2")}
+
+
+def _warmup_lr_config(tmp_path) -> str:
+    """The recipe's engine config with the report's WarmupLR schedule (it does not depend on
+    --train-iters, so the 4-iteration run is the first half of the 8-iteration one)."""
+    with open(os.path.join(REPO, "configs", "ds_gpt2_cpu.json")) as f:
+        config = json.load(f)
+    config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.001,
+                                                          "warmup_num_steps": 25, "warmup_type": "linear"}}
+    path = tmp_path / "ds_warmup.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+def _run(corpus_prefix: str, tmp_path, name: str, iters: int, config: str, layout: tuple[str, ...]) -> None:
+    ckpt, tb = tmp_path / f"ckpt_{name}", tmp_path / f"tb_{name}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(REPO, "scripts", "pretrain_gpt.py"), "--deepspeed_config", config,
+           "--data-path", corpus_prefix, "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2",
+           "--seq-length", "32", "--dropout", "0.1", "--train-iters", str(iters), "--log-interval", "1",
+           "--eval-interval", "100", "--eval-iters", "1", "--save-interval", "100", "--sample-tokens", "4",
+           "--save", str(ckpt), "--load", str(ckpt), "--tensorboard-dir", str(tb), *layout]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS), ids=list(LAYOUTS))
+def test_resume_with_dropout_continues_the_uninterrupted_losses(corpus_prefix, tmp_path, layout):
+    config = _warmup_lr_config(tmp_path)
+    _run(corpus_prefix, tmp_path, "straight", 8, config, LAYOUTS[layout])
+    _run(corpus_prefix, tmp_path, "resumed", 4, config, LAYOUTS[layout])
+    _run(corpus_prefix, tmp_path, "resumed", 8, config, LAYOUTS[layout])
+    straight = _scalars(str(tmp_path / "tb_straight"))["lm loss"]
+    resumed = _scalars(str(tmp_path / "tb_resumed"))["lm loss"]
+    assert [step for step, _ in straight] == list(range(1, 9))
+    assert sorted(step for step, _ in resumed) == list(range(1, 9))
+    after_resume = {step: loss for step, loss in resumed if step > 4}
+    assert [after_resume[step] for step in range(5, 9)] == [loss for step, loss in straight if step > 4], (
+        straight, resumed)
