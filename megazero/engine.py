@@ -75,6 +75,9 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
                                              grid.pp_rank if grid else 0, grid.tp_rank if grid else 0,
                                              grid.tensor_model_parallel_size if grid else 1)
         self._pipeline_micro: int | None = None  # the 1F1B schedule's micro-batch in forward
+        # training forwards since the last optimizer step: the micro-batch's number within its step,
+        # also when the user accumulates with no_sync() or set_gradient_accumulation_boundary()
+        self._forwards_since_step = 0
         # unscale/clip inside the optimizer's own pass: torch's fused Adam, megazero's CPU ops
         self._optimizer_unscales = getattr(optimizer, "supports_grad_scale", False) or (
             isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and bool(optimizer.defaults.get("fused")))
@@ -144,8 +147,11 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         run draws what an uninterrupted one does); evaluation leaves the generators alone."""
         if not self.module.training:
             return contextlib.nullcontext()
-        micro = self._pipeline_micro if self._pipeline_micro is not None else \
-            self.micro_steps % self.gradient_accumulation_steps()
+        if self._pipeline_micro is not None:
+            micro = self._pipeline_micro
+        else:
+            micro = self._forwards_since_step
+            self._forwards_since_step += 1
         return self.rng_streams.micro_batch(self.global_steps, micro * self.dp_world_size + self.dp_rank)
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
@@ -170,6 +176,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
             self._optimizer_step()
             self.timers("step").stop()
             self._step_applied = not self.last_step_overflowed
+            self._forwards_since_step = 0
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
             if self.global_steps % self.config.steps_per_print == 0:

@@ -217,6 +217,7 @@ def load_engine_checkpoint(engine, load_dir, tag, load_optimizer_states: bool, l
     _restore_engine_state(engine, state, load_lr_scheduler_states)
     if not same:  # another layout may accumulate another number of micro-batches per step
         engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
+    engine._forwards_since_step = engine.micro_steps % engine.gradient_accumulation_steps()
     if state.get("rng_seed") is not None:  # the dropout streams' seed: layout-independent
         engine.rng_streams.seed = int(state["rng_seed"])
     rng_path = os.path.join(path, rng_file(engine.global_rank))

@@ -222,7 +222,7 @@ def _assert_same_model(expected: dict[str, torch.Tensor], actual: dict[str, torc
 @pytest.fixture(scope="module")
 def padded_reference(pools, token_dataset_prefix_module):
     return pools(1).run(train, base_config(train_micro_batch_size_per_gpu=8), token_dataset_prefix_module, STEPS,
-                        0, None, None, None, {"vocab_size": PADDED_VOCAB})[0]
+                        0, None, None, None, {**NO_DROPOUT, "vocab_size": PADDED_VOCAB})[0]
 
 
 @pytest.mark.parametrize("name,world,layout,overrides,stage,micro",
@@ -235,7 +235,7 @@ def test_layout_matches_single_process_when_padding_differs(pools, padded_refere
     generator, so TP=2 and one process differ with dropout on whatever the vocabulary (measured
     with 256 tokens, padded alike: 5.5463 vs 5.5500 at step 2). The next test runs dropout on."""
     results = pools(world).run(train, _config(stage, micro), token_dataset_prefix_module, STEPS, 0, None, None, None,
-                               {**overrides, "vocab_size": PADDED_VOCAB}, layout)
+                               {**NO_DROPOUT, **overrides, "vocab_size": PADDED_VOCAB}, layout)
     assert results[0]["params"]["wte.weight"].shape[0] == 384 != padded_reference["params"]["wte.weight"].shape[0]
     for rank_result in results:
         _assert_losses(padded_reference["losses"], rank_result["losses"], LOSS_RTOL)
