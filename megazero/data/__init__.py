@@ -7,8 +7,8 @@ from megazero.data.indexed_dataset import (
     best_dtype,
     write_indexed_dataset,
 )
-from megazero.data.loader import DistributedBatchLoader, collate
+from megazero.data.loader import DistributedBatchLoader, MultiEpochDataset, collate
 from megazero.data.tokenizer import SentencePieceTokenizer, train_sentencepiece
 
 __all__ = ["GPTDataset", "IndexedDataset", "DatasetFormatError", "best_dtype", "write_indexed_dataset",
-           "DistributedBatchLoader", "collate", "SentencePieceTokenizer", "train_sentencepiece"]
+           "DistributedBatchLoader", "MultiEpochDataset", "collate", "SentencePieceTokenizer", "train_sentencepiece"]

@@ -20,9 +20,10 @@ import numpy as np
 import torch
 
 from megazero.data.indexed_dataset import IndexedDataset
+from megazero.data.loader import MultiEpochDataset
 
 
-class BertDataset:
+class BertDataset(MultiEpochDataset):
     """Items: input_ids, token_type_ids, padding_mask (bool), labels, loss_mask (float32),
     sentence_order (0/1), all of length seq_length except the last."""
 

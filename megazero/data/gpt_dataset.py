@@ -6,9 +6,10 @@ import numpy as np
 import torch
 
 from megazero.data.indexed_dataset import IndexedDataset
+from megazero.data.loader import MultiEpochDataset
 
 
-class GPTDataset:
+class GPTDataset(MultiEpochDataset):
     """Sample i is tokens [s*T, s*T + T + 1) for a window s, across document boundaries.
 
     Windows share one token with the next (the last label is the next window's first input), as

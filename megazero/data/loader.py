@@ -7,6 +7,13 @@ from collections.abc import Iterator
 import torch
 
 
+class MultiEpochDataset:
+    """Base class of datasets whose index i >= len(self) reads epoch i // len(self) (reshuffled),
+    so a loader can run through as many epochs as training needs without restarting (GPTDataset,
+    BertDataset). The engine's loader iterates such a dataset without end; any other map-style
+    dataset gets one pass per `iter()`, as torch's and DeepSpeed's loaders do."""
+
+
 def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Stack a list of {name: tensor} samples into one batch."""
     return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
@@ -18,8 +25,11 @@ class DistributedBatchLoader:
     together read every sample once.
 
     `consumed_samples` (global, over all ranks) is where iteration starts; it advances as batches
-    are yielded and can be set to resume. `num_samples` bounds iteration (None: run forever,
-    which suits datasets that continue into later epochs).
+    are yielded and can be set to resume. `num_samples` bounds iteration. Without it, a
+    MultiEpochDataset is read without end, and any other dataset one pass per `iter()`
+    (`len(self)` micro-batches; a pass ends where an uninterrupted run's would, also after a
+    resume), the sample stream wrapping around the dataset, so that `for batch in loader` is one
+    epoch, as in DeepSpeed's tutorial loop.
     """
 
     def __init__(self, dataset, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1,
@@ -52,8 +62,23 @@ class DistributedBatchLoader:
         first = start + self.dp_rank * self.micro_batch_size
         return list(range(first, first + self.micro_batch_size))
 
+    def _end_of_iteration(self) -> int | None:
+        """The consumed-samples count at which the iterator started now stops (None: never)."""
+        if self.num_samples is not None:
+            return self.num_samples
+        if isinstance(self.dataset, MultiEpochDataset):
+            return None
+        per_pass = len(self) * self.global_micro_batch
+        if per_pass == 0:
+            raise ValueError(f"the dataset has {len(self.dataset)} samples, fewer than one global micro-batch "
+                             f"({self.micro_batch_size} per rank x {self.dp_size} ranks)")
+        return (self.consumed_samples // per_pass + 1) * per_pass
+
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        while self.num_samples is None or self.consumed_samples + self.global_micro_batch <= self.num_samples:
-            batch = collate([self.dataset[i] for i in self.indices(self.consumed_samples)])
+        end = self._end_of_iteration()
+        wrap = None if isinstance(self.dataset, MultiEpochDataset) else len(self.dataset)
+        while end is None or self.consumed_samples + self.global_micro_batch <= end:
+            indices = self.indices(self.consumed_samples)
+            batch = collate([self.dataset[i % wrap if wrap else i] for i in indices])
             self.consumed_samples += self.global_micro_batch
             yield batch

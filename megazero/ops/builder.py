@@ -2,12 +2,12 @@
 
 Each op is an `OpSpec` (sources, flags, CPU or CUDA). `load_op(name)` builds it on first use,
 never at import: into `~/.cache/megazero/ops/<name>-<key>/` (or `$MEGAZERO_OPS_CACHE`), where the
-key hashes the torch version, CUDA version, compiler, target ISA/arch, flags and the sources'
-contents, so a stale build can never be loaded. A file lock makes concurrent ranks build once and
-the others wait and load the result. A failed build becomes one warning and `None` (callers use
-their pure-torch reference), or an error with MEGAZERO_OPS_STRICT=1 (so is an op incompatible
-with this machine, e.g. a CUDA op on a CPU build of torch). `status()` says, per op,
-whether it is compatible, built, loaded or falling back, and why.
+key hashes the torch version and install path, CUDA version, compiler, target ISA/arch, flags, the
+source directory and the sources' contents, so a stale build can never be loaded. A file lock
+makes concurrent ranks build once and the others wait and load the result. A failed build becomes
+one warning and `None` (callers use their pure-torch reference), or an error with
+MEGAZERO_OPS_STRICT=1 (so is an op incompatible with this machine, e.g. a CUDA op on a CPU build of
+torch). `status()` says, per op, whether it is compatible, built, loaded or falling back, and why.
 """
 
 from __future__ import annotations
@@ -94,8 +94,10 @@ def build_key(spec: OpSpec) -> str:
 
 def _compute_key(spec: OpSpec) -> str:
     h = hashlib.sha256()
+    # the source directory and torch's install path too: ninja's build file names both, so two
+    # clones or venvs sharing one cache would otherwise rebuild over each other's build directory
     for part in (torch.__version__, str(torch.version.cuda), _compiler_version(), _target(),
-                 " ".join(spec.cflags + spec.ldflags + spec.cuda_cflags)):
+                 " ".join(spec.cflags + spec.ldflags + spec.cuda_cflags), CSRC, os.path.dirname(torch.__file__)):
         h.update(part.encode())
     for source in spec.sources:
         with open(os.path.join(CSRC, source), "rb") as f:

@@ -35,6 +35,21 @@ def test_cache_key_changes_with_the_sources(broken_op):
     assert builder.build_dir(spec).endswith(builder.build_key(spec))
 
 
+def test_two_clones_sharing_a_cache_get_their_own_build_directories(tmp_path, monkeypatch):
+    """ninja's build file names the source directory, so a second clone (same sources, another
+    path) must not reuse, and rebuild over, the first clone's directory."""
+    spec = builder.SPECS["cpu_optimizers"]
+    here = builder.build_key(spec)
+    clone = tmp_path / "csrc"
+    clone.mkdir()
+    for source in spec.sources:
+        (clone / source).write_bytes(open(os.path.join(builder.CSRC, source), "rb").read())
+    monkeypatch.setattr(builder, "CSRC", str(clone))
+    builder._keys.clear()
+    assert builder.build_key(spec) != here
+    builder._keys.clear()
+
+
 def test_failed_build_falls_back_with_a_warning(broken_op, monkeypatch):
     monkeypatch.delenv("MEGAZERO_OPS_STRICT", raising=False)
     with pytest.warns(UserWarning, match="megazero op 'broken' unavailable.*pure-torch reference"):

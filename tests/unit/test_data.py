@@ -6,6 +6,7 @@ import os
 
 import numpy as np
 import pytest
+import torch
 
 from megazero.data import (
     DatasetFormatError,
@@ -138,3 +139,20 @@ def test_sentence_preprocessing_with_special_tokens(tmp_path):
     train = IndexedDataset(prefix + "_train_text_sentence")
     assert list(train.document_indices) == [0, 960, 1920]  # 2 documents x 240 lines x 4 sentences
     assert tokenizer.decode(train[1]).strip() == "Was it late?"
+
+
+def test_loader_over_a_plain_dataset_is_one_epoch_per_iteration():
+    """A map-style dataset that is not a MultiEpochDataset: `for batch in loader` ends after one
+    pass (DeepSpeed's tutorial loop), the next pass continues the stream, and a resumed loader ends
+    its pass where the uninterrupted one does."""
+    samples = [{"x": torch.tensor([i])} for i in range(10)]
+    rank1 = DistributedBatchLoader(samples, micro_batch_size=2, dp_rank=1, dp_size=2)
+    first = [batch["x"].flatten().tolist() for batch in rank1]
+    assert first == [[2, 3], [6, 7]] and len(rank1) == 2  # 10 // 4 micro-batches per rank, then stop
+    second = [batch["x"].flatten().tolist() for batch in rank1]
+    assert second == [[0, 1], [4, 5]]  # samples 8..15 wrap around the dataset
+    resumed = DistributedBatchLoader(samples, micro_batch_size=2, dp_rank=1, dp_size=2)
+    resumed.set_consumed_samples(4)
+    assert [batch["x"].flatten().tolist() for batch in resumed] == first[1:]
+    with pytest.raises(ValueError, match="fewer than one global micro-batch"):
+        list(DistributedBatchLoader(samples[:3], micro_batch_size=2, dp_rank=0, dp_size=2))
