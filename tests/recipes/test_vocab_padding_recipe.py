@@ -6,10 +6,11 @@ torchrun on 2 gloo ranks, the real corpus: 4 iterations at TP=2 and a checkpoint
 5-8 continued from it at TP=2, at PP=2 and at DP=2 with ZeRO-2. Before padding was left out of the
 model, PP=2 and DP=2 dropped 128 trained rows and their losses differed from TP=2's by ~1e-2.
 
-Dropout stays at the recipe's default, 0: a checkpoint continued at another layout cannot restore
-the RNG states (they belong to the old layout's ranks), so with dropout on the masks, and with them
-the losses, differ after the load whatever the vocabulary. TP=2 against one process with dropout
-on, with padding that differs, is tests/distributed/test_model_parallel.py's.
+Dropout stays at the recipe's default, 0: each continuation here changes TP, and attention
+dropout masks are drawn per TP rank inside the tensor-parallel region (Megatron's design), so with
+dropout on the target layout would draw its own masks from iteration 5 on. That padding leaves the
+model unchanged with dropout on is tests/distributed/test_model_parallel.py's
+test_padding_does_not_change_the_model_with_dropout (TP=2 padded to 384 and to 320 rows).
 """
 
 from __future__ import annotations
