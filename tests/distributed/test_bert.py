@@ -64,22 +64,30 @@ def reference(pools, sentence_prefix):
     each micro-batch's masked tokens (as in Megatron), so layouts compare at equal micro-batches."""
     runs = {}
 
-    def get(micro: int) -> dict:
-        if micro not in runs:
-            runs[micro] = pools(1).run(train_bert, _config(0, micro), sentence_prefix, STEPS)[0]
-        return runs[micro]
+    def get(micro: int, dropout: float) -> dict:
+        if (micro, dropout) not in runs:
+            runs[micro, dropout] = pools(1).run(train_bert, _config(0, micro), sentence_prefix, STEPS, None,
+                                                {"dropout": dropout})[0]
+        return runs[micro, dropout]
 
     return get
 
 
-LAYOUTS = [("tp2", 2, (2, 1), 0, 8), ("pp2", 2, (1, 2), 1, 2), ("dp2_zero2", 2, (1, 1), 2, 4),
-           ("dp2_zero3", 2, (1, 1), 3, 4), ("tp2_pp2", 4, (2, 2), 0, 2), ("tp2_dp2_zero1", 4, (2, 1), 1, 4)]
+# (name, world size, (TP, PP), ZeRO stage, micro-batch, dropout). Data-parallel layouts run dropout
+# 0.1: micro-batch i of a step draws the same masks at every DP size. Layouts with TP or PP run
+# dropout 0: attention dropout is drawn per TP rank inside the tensor-parallel region and each
+# pipeline stage has its own stream (Megatron's design), so no single process draws their masks.
+LAYOUTS = [("tp2", 2, (2, 1), 0, 8, 0.0), ("pp2", 2, (1, 2), 1, 2, 0.0), ("dp2_zero2", 2, (1, 1), 2, 4, 0.1),
+           ("dp2_zero3", 2, (1, 1), 3, 4, 0.1), ("tp2_pp2", 4, (2, 2), 0, 2, 0.0),
+           ("tp2_dp2_zero1", 4, (2, 1), 1, 4, 0.0)]
 
 
-@pytest.mark.parametrize("name,world,layout,stage,micro", LAYOUTS, ids=[x[0] for x in LAYOUTS])
-def test_bert_layout_matches_single_process(pools, reference, sentence_prefix, name, world, layout, stage, micro):
-    reference = reference(micro)
-    for result in pools(world).run(train_bert, _config(stage, micro), sentence_prefix, STEPS, layout):
+@pytest.mark.parametrize("name,world,layout,stage,micro,dropout", LAYOUTS, ids=[x[0] for x in LAYOUTS])
+def test_bert_layout_matches_single_process(pools, reference, sentence_prefix, name, world, layout, stage, micro,
+                                            dropout):
+    reference = reference(micro, dropout)
+    for result in pools(world).run(train_bert, _config(stage, micro), sentence_prefix, STEPS, layout,
+                                   {"dropout": dropout}):
         for step, (a, b) in enumerate(zip(reference["losses"], result["losses"])):
             assert abs(a - b) <= 1e-5 * abs(a), f"step {step}: {reference['losses']} vs {result['losses']}"
         assert result["params"].keys() == reference["params"].keys()
