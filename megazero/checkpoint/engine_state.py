@@ -202,9 +202,10 @@ def load_engine_checkpoint(engine, load_dir, tag, load_optimizer_states: bool, l
         _load_module_only(engine, path, state, load_module_strict)
         return path, state["client_state"]
     saved = saved_layout(state)
+    # the same ranks in the same places: each rank's own RNG file is its own
+    same_layout = all(saved[k] == mine[k] for k in ("tp", "pp", "dp", "zero_stage")) and not state.get("converted")
     # weights only: always per parameter (the ZeRO-3 module file holds no parameters)
-    same = (all(saved[k] == mine[k] for k in ("tp", "pp", "dp", "zero_stage")) and not state.get("converted")
-            and load_optimizer_states)
+    same = same_layout and load_optimizer_states
     names = global_names(engine.module)
     if same and engine.dp.stage > 0:
         zero = load_file(os.path.join(path, zero_name))
@@ -215,18 +216,18 @@ def load_engine_checkpoint(engine, load_dir, tag, load_optimizer_states: bool, l
         apply_parameter_states(engine, read_parameter_states(path), load_optimizer_states, names)
         engine.module.load_state_dict(_local_buffers(engine, state), strict=False)
     _restore_engine_state(engine, state, load_lr_scheduler_states)
-    if not same:  # another layout may accumulate another number of micro-batches per step
+    if not same_layout:  # another layout may accumulate another number of micro-batches per step
         engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
     engine._forwards_since_step = engine.micro_steps % engine.gradient_accumulation_steps()
     if state.get("rng_seed") is not None:  # the dropout streams' seed: layout-independent
         engine.rng_streams.seed = int(state["rng_seed"])
     rng_path = os.path.join(path, rng_file(engine.global_rank))
-    if same and os.path.isfile(rng_path):
+    if same_layout and os.path.isfile(rng_path):
         restore_rng_state(load_file(rng_path))
     else:
-        warnings.warn(f"{path}: saved at another layout (or without {rng_file(engine.global_rank)}): this rank's "
-                      f"torch/python/numpy generator states not restored (dropout streams are keyed by seed, step "
-                      f"and micro-batch, so they continue)", stacklevel=3)
+        why = "saved at another layout" if not same_layout else f"no {rng_file(engine.global_rank)}"
+        warnings.warn(f"{path}: {why}: this rank's torch/python/numpy generator states not restored (dropout "
+                      f"streams are keyed by seed, step and micro-batch, so they continue)", stacklevel=3)
     return path, state["client_state"]
 
 

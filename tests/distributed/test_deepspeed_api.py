@@ -369,3 +369,26 @@ def test_load_module_strict(pools, tmp_path):
     for out in pools(2).run(_strictness, 3, str(tmp_path / "z3")):  # per-parameter matching: strict only
         assert "parameter extra.weight is not in the checkpoint" in out["strict"]
         assert "load_module_strict=False needs the saved tensor/pipeline layout and no ZeRO-3" in out["loose"]
+
+
+# ---- load_checkpoint(load_optimizer_states=False) at the same layout ---------------------------
+def _load_without_optimizer_states(save_dir: str) -> dict:
+    engine, loader = build_tiny(tiny_config(2))
+    engine.backward(engine(next(iter(loader))))
+    engine.step()
+    engine.save_checkpoint(save_dir)
+    after_save = torch.rand(3)  # the user's own random numbers, right after the save
+    fresh, _ = build_tiny(tiny_config(2), seed=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fresh.load_checkpoint(save_dir, load_optimizer_states=False)
+    return {"same_draw": torch.equal(torch.rand(3), after_save), "warnings": [str(w.message) for w in caught],
+            "steps": fresh.global_steps}
+
+
+def test_load_without_optimizer_states_still_restores_this_ranks_rng(pools, tmp_path):
+    """Skipping the optimizer states reads the weights per parameter, but the ranks are the same
+    ones in the same places: each still gets its own generator states back, with no warning."""
+    for result in pools(2).run(_load_without_optimizer_states, str(tmp_path)):
+        assert result["same_draw"] and result["steps"] == 1
+        assert not [w for w in result["warnings"] if "not restored" in w], result["warnings"]
