@@ -26,6 +26,7 @@ from megazero.config import load_config_source  # noqa: E402
 from megazero.data import DistributedBatchLoader, GPTDataset, IndexedDataset, SentencePieceTokenizer  # noqa: E402
 from megazero.distributed import all_reduce_values  # noqa: E402
 from megazero.profiling import gpt_flops_per_token, measure_peak_flops  # noqa: E402
+from megazero.profiling.throughput import peak_cache_path  # noqa: E402
 from models.common import count_parameters  # noqa: E402
 from models.gpt import GPT, GPTConfig  # noqa: E402
 from models.gpt import build_model as build_gpt  # noqa: E402
@@ -170,8 +171,8 @@ def print_sample(model: GPT, tokenizer: SentencePieceTokenizer, args, grid, rank
     forward has collectives). A pipelined model is not sampled here (it needs the whole model)."""
     if grid.pipeline_model_parallel_size > 1:
         if rank == 0:
-            print("(no sample: the model is split into pipeline stages; convert the checkpoint to one stage with "
-                  "scripts/convert_checkpoint.py to sample from it)", flush=True)
+            print("(no sample: the model is split into pipeline stages; scripts/generate.py --load <save dir> "
+                  "samples from the checkpoint, joining the stages)", flush=True)
         return
     if grid.dp_rank != 0:
         return
@@ -191,6 +192,7 @@ class ProgressLog:
         self._start_window_counts()
         self.run_start_iter = engine.global_steps
         self.run_start = time.perf_counter()
+        self.warned_mfu = False
 
     def _start_window_counts(self) -> None:
         self.skipped_before, self.nan_before = self.engine.skipped_steps, self.engine.nan_steps
@@ -221,6 +223,11 @@ class ProgressLog:
                   f"number of nan iterations: {nans:3d} | "
                   f"tokens/s: {tokens_per_s:,.0f} | TFLOP/s per rank: {tflops_per_rank:.3f} | MFU: {100 * mfu:.1f}% | "
                   f"ETA: {eta / 60:.1f} min", flush=True)
+            if mfu > 1 and not self.warned_mfu:  # the cached peak was measured while the machine was busy
+                self.warned_mfu = True
+                print(f"[megazero] MFU above 100%: the matmul peak ({self.peak_flops / 1e9:.1f} GFLOP/s per rank) is "
+                      f"too low; delete {peak_cache_path()} to measure it again on a quiet machine, or pass "
+                      f"--peak-flops", flush=True)
         self.engine.monitor.write(it, {
             "lm loss": loss_avg, "learning-rate": self.engine.get_lr()[0],
             "loss-scale": self.engine.get_loss_scale(), "grad-norm": self.engine.last_grad_norm or 0.0,

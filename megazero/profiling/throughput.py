@@ -73,7 +73,8 @@ def _write_cache(path: str, key: str, peak: float) -> None:
 
 
 def _time_matmuls(device: torch.device, dtype: torch.dtype, size: int, seconds: float) -> float:
-    """FLOP/s of repeated square matmuls on `device`, timed across device synchronisations."""
+    """FLOP/s of repeated square matmuls on `device`, timed across device synchronisations (the
+    fastest of five slices of `seconds`)."""
     cuda = device.type == "cuda"
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
     a = torch.randn(size, size, dtype=dtype, device=device)
@@ -82,13 +83,17 @@ def _time_matmuls(device: torch.device, dtype: torch.dtype, size: int, seconds: 
     torch.mm(a, b, out=out)  # warm-up: BLAS / cuBLAS handles, kernel selection
     sync()
     per_sync = 10 if cuda else 1  # GPU launches are asynchronous: queue a few, then wait for them
-    calls, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        for _ in range(per_sync):
-            torch.mm(a, b, out=out)
-        sync()
-        calls += per_sync
-    return 2.0 * size ** 3 * calls / (time.perf_counter() - start)
+    best = 0.0
+    # the best of 5 slices: another process's burst on a shared machine lowers some slices, not the peak
+    for _ in range(5):
+        calls, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds / 5:
+            for _ in range(per_sync):
+                torch.mm(a, b, out=out)
+            sync()
+            calls += per_sync
+        best = max(best, 2.0 * size ** 3 * calls / (time.perf_counter() - start))
+    return best
 
 
 def measure_peak_flops(dtype: torch.dtype = torch.float32, size: int | None = None, seconds: float = 0.5,
