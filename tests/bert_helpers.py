@@ -13,7 +13,7 @@ from tests.training_helpers import full_parameters, global_mean
 
 SPECIAL = {"[CLS]": 0, "[SEP]": 1, "[MASK]": 2, "[PAD]": 3}
 TINY_BERT = dict(vocab_size=256, seq_length=32, num_layers=2, hidden_size=64, num_attention_heads=4,
-                 make_vocab_size_divisible_by=64, dropout=0.0)
+                 make_vocab_size_divisible_by=64, dropout=0.1)
 
 
 def write_sentence_dataset(prefix: str, seed: int = 0, documents: int = 30) -> str:
