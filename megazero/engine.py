@@ -22,6 +22,7 @@ import torch.distributed as dist
 from megazero.config import EngineConfig
 from megazero.engine_api import DeepSpeedEngineAPI
 from megazero.monitor import Monitor
+from megazero.optim.protocol import takes_grad_scale, writes_copies
 from megazero.parallel_state import ParallelGrid
 from megazero.precision import LossScaler
 from megazero.profiling.memory import ActivationMeter
@@ -78,12 +79,11 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         # training forwards since the last optimizer step: the micro-batch's number within its step,
         # also when the user accumulates with no_sync() or set_gradient_accumulation_boundary()
         self._forwards_since_step = 0
-        # unscale/clip inside the optimizer's own pass: torch's fused Adam, megazero's CPU ops
-        self._optimizer_unscales = getattr(optimizer, "supports_grad_scale", False) or (
-            isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and bool(optimizer.defaults.get("fused")))
-        # megazero's CPU ops also write the 16-bit model copy while updating each master
+        # what the optimizer can do in its own pass (megazero.optim.protocol): unscale/clip (torch's
+        # fused Adam, megazero's ops) and write the 16-bit model copy while updating each master
+        self._optimizer_unscales = takes_grad_scale(optimizer)
         self._optimizer_writes_copies = False
-        targets = dp_state.copy_targets() if hasattr(optimizer, "set_copy_targets") else {}
+        targets = dp_state.copy_targets() if writes_copies(optimizer) else {}
         masters = [p for group in optimizer.param_groups for p in group["params"]]
         if targets and all(id(p) in targets for p in masters):  # all or nothing: update_model skips the cast
             optimizer.set_copy_targets(targets)
@@ -208,12 +208,13 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         self.timers("optimizer").start()
         self.dp.attach_grads()
         if divisor != 1.0 and self._optimizer_unscales:
-            # torch's fused Adam divides by grad_scale inside its own pass: no extra pass over the grads
+            # the optimizer divides by grad_scale inside its own pass: no extra pass over the grads
             self.optimizer.grad_scale = torch.tensor(divisor, dtype=torch.float32, device=self.device)
         elif divisor != 1.0:
             self.dp.scale_gradients(1.0 / divisor)
         self.optimizer.step()
-        self.optimizer.grad_scale = None
+        if self._optimizer_unscales:
+            self.optimizer.grad_scale = None
         self.dp.detach_grads()
         self.dp.update_model(copies_written=self._optimizer_writes_copies)
         self.timers("optimizer").stop()

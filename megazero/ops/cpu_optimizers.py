@@ -2,12 +2,14 @@
 `cpu_optimizers` (csrc/cpu_optimizers.cpp), with a pure-torch reference of the same arithmetic that
 tests compare against and that runs whenever the op cannot be built.
 
-Two things make the engine's optimizer phase one pass over memory:
+Two things make the engine's optimizer phase one pass over memory (the protocol in
+megazero.optim.protocol):
 - `grad_scale` (a tensor or float attribute, as torch's fused Adam has): gradients are divided by
   it inside the update (loss-scale unscaling and clipping), not in a separate pass;
 - `set_copy_targets({id(master): tensor16})`: after updating a master, the op writes its bf16/fp16
   working copy in the same loop, so no separate cast pass is needed.
-State dicts use torch's names (`step`, `exp_avg`, `exp_avg_sq`; Adagrad's `sum`).
+State dicts use torch's names (`step`, `exp_avg`, `exp_avg_sq`; Adagrad's `sum`). The reference
+path (`use_op=False`) runs on fp32 tensors of any device; it is the registry's pure-torch Lamb.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ def cpu_optimizers_op():
 class _FusedCPUOptimizer(torch.optim.Optimizer):
     """What the three optimizers share: grad_scale, the 16-bit copies, op-or-reference dispatch."""
 
-    supports_grad_scale = True
     state_keys: tuple[str, ...] = ()
 
     def __init__(self, params, defaults: dict, use_op: bool | None = None):
@@ -37,8 +38,10 @@ class _FusedCPUOptimizer(torch.optim.Optimizer):
         self._use_op = use_op
 
     def _check_param(self, p: torch.Tensor) -> None:
-        if p.dtype != torch.float32 or p.device.type != "cpu":
-            raise TypeError(f"{type(self).__name__} updates fp32 CPU tensors, got {p.dtype} on {p.device}")
+        on_cpu = self._use_op is not False  # the op reads CPU memory; the reference is torch on any device
+        if p.dtype != torch.float32 or (on_cpu and p.device.type != "cpu"):
+            raise TypeError(f"{type(self).__name__} updates fp32{' CPU' if on_cpu else ''} tensors, "
+                            f"got {p.dtype} on {p.device}")
 
     def set_copy_targets(self, copies: dict[int, torch.Tensor]) -> None:
         """{id(master parameter): 16-bit tensor} to be written with each updated master."""
@@ -140,7 +143,7 @@ class FusedCPUAdam(_FusedCPUOptimizer):
 
 class FusedCPULamb(_FusedCPUOptimizer):
     """LAMB with DeepSpeed's parameters (trust ratio ||w|| / ||update|| per tensor, clamped to
-    [min_coeff, max_coeff]); matches megazero.optim.lamb.Lamb."""
+    [min_coeff, max_coeff]); with use_op=False, megazero's pure-torch LAMB."""
 
     state_keys = ("exp_avg", "exp_avg_sq")
 

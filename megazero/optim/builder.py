@@ -1,30 +1,36 @@
-"""Build a torch optimizer from the config's `optimizer` block (DeepSpeed's type names and meaning)."""
+"""Build a torch optimizer from the config's `optimizer` block (DeepSpeed's type names and meaning).
+
+Which implementation runs is the registry's (megazero.optim.registry): megazero's fused CPU op
+for fp32 CPU parameters, its CUDA kernels for fp32 CUDA parameters, each where it builds and
+unless `torch_adam: true`; the pure-torch reference otherwise.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
-from megazero.config import OptimizerConfig
-from megazero.optim.lamb import Lamb
+from megazero.optim.registry import OPTIMIZERS, OptimizerSpec, param_tensors
 
-
-def _fused_ok(params: list) -> bool:
-    """torch's fused Adam/AdamW runs on CPU and CUDA for floating tensors; use it when all agree."""
-    tensors = [p for group in params for p in (group["params"] if isinstance(group, dict) else [group])]
-    devices = {t.device.type for t in tensors}
-    return len(devices) == 1 and devices <= {"cpu", "cuda"} and all(t.is_floating_point() for t in tensors)
+if TYPE_CHECKING:  # the config reads the registry: a run-time import would be circular
+    from megazero.config import OptimizerConfig
 
 
 def _on_cpu(params: list) -> bool:
-    tensors = [p for group in params for p in (group["params"] if isinstance(group, dict) else [group])]
-    return bool(tensors) and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+    """All fp32 CPU tensors and megazero's CPU op built."""
+    tensors = param_tensors(params)
+    if not tensors or not all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors):
+        return False
+    from megazero.ops.cpu_optimizers import cpu_optimizers_op
+
+    return cpu_optimizers_op() is not None
 
 
 def _on_cuda(params: list) -> bool:
     """All fp32 CUDA tensors and megazero's CUDA op built."""
-    tensors = [p for group in params for p in (group["params"] if isinstance(group, dict) else [group])]
+    tensors = param_tensors(params)
     if not tensors or not all(t.is_cuda and t.dtype == torch.float32 for t in tensors):
         return False
     from megazero.ops.cuda_ops import cuda_op
@@ -32,50 +38,27 @@ def _on_cuda(params: list) -> bool:
     return cuda_op() is not None
 
 
-def _cpu_op_available() -> bool:
-    from megazero.ops.cpu_optimizers import cpu_optimizers_op
-
-    return cpu_optimizers_op() is not None
+def pick_implementation(spec: OptimizerSpec, params: list, torch_only: bool = False):
+    """The registry factory that runs for these parameters: cpu, cuda or reference."""
+    if not torch_only:
+        if spec.cpu is not None and _on_cpu(params):
+            return spec.cpu
+        if spec.cuda is not None and _on_cuda(params):
+            return spec.cuda
+    return spec.reference
 
 
 def build_optimizer(config: OptimizerConfig, params: Iterable) -> torch.optim.Optimizer:
-    """Adam (DeepSpeed default adam_w_mode=True: decoupled weight decay), AdamW, SGD, Lamb or Adagrad.
-
-    On CPU (fp32 masters) Adam/AdamW/Lamb/Adagrad use megazero's fused C++ op (one pass: unscale,
-    update, 16-bit copy), on CUDA Adam/AdamW/Lamb its multi-tensor kernels, unless
-    `torch_adam: true`; where the ops cannot be built, torch's fused Adam (and the pure-torch
-    Lamb/Adagrad) run instead.
-    """
-    from megazero.ops.cpu_optimizers import FusedCPUAdagrad, FusedCPUAdam, FusedCPULamb
-
+    """The optimizer `config.type` (any case; a key of OPTIMIZERS) over `params` (tensors or
+    param-group dicts), with the `config.params` the user gave; see the module doc for which
+    implementation runs."""
+    kind = config.type.lower()
+    if kind not in OPTIMIZERS:
+        raise ValueError(f"optimizer.type {config.type!r} is not registered; choose one of "
+                         f"{', '.join(spec.name for spec in OPTIMIZERS.values())}")
     params = list(params)
     kwargs = dict(config.params)
-    kind = config.type.lower()
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
     torch_only = kwargs.pop("torch_adam", False)
-    use_op = not torch_only and _on_cpu(params) and _cpu_op_available()
-    use_cuda_op = not torch_only and kind in ("adam", "adamw", "lamb") and _on_cuda(params)
-    if kind in ("adam", "adamw"):
-        decoupled = kwargs.pop("adam_w_mode", True) if kind == "adam" else True
-        if not kwargs.pop("bias_correction", True):
-            raise ValueError("optimizer.params.bias_correction=false is only supported by Lamb")
-        kwargs.setdefault("weight_decay", 0.0)  # DeepSpeed's default (torch's AdamW would use 0.01)
-        if (use_op or use_cuda_op) and not kwargs.get("amsgrad", False):
-            kwargs.pop("amsgrad", None)
-            if use_cuda_op:
-                from megazero.ops.cuda_ops import FusedCUDAAdam
-
-                return FusedCUDAAdam(params, adamw_mode=decoupled, **kwargs)
-            return FusedCPUAdam(params, adamw_mode=decoupled, **kwargs)
-        cls = torch.optim.AdamW if decoupled else torch.optim.Adam
-        return cls(params, fused=_fused_ok(params), **kwargs)
-    if kind == "sgd":
-        return torch.optim.SGD(params, **kwargs)
-    if kind == "adagrad":
-        return FusedCPUAdagrad(params, **kwargs) if use_op else torch.optim.Adagrad(params, **kwargs)
-    if use_cuda_op:
-        from megazero.ops.cuda_ops import FusedCUDALamb
-
-        return FusedCUDALamb(params, **kwargs)
-    return FusedCPULamb(params, **kwargs) if use_op else Lamb(params, **kwargs)
+    return pick_implementation(OPTIMIZERS[kind], params, torch_only)(params, **kwargs)

@@ -1,0 +1,52 @@
+"""What the engine may ask of an optimizer, beyond `torch.optim.Optimizer` itself.
+
+The engine steps any torch optimizer over the fp32 master weights. Two capabilities make that
+step one pass over memory; an optimizer opts in to each by having its members (the protocols
+below), and the engine asks through `takes_grad_scale` and `writes_copies`, nothing else:
+
+- `GradScaleTaker`: the optimizer divides every gradient by `grad_scale` inside step(). The
+  engine sets it (a 0-dim fp32 tensor: loss scale times the clipping factor) just before step()
+  and resets it to None after; None means 1. Without it, the engine first multiplies the
+  gradients by 1 / divisor in a separate pass. torch's own fused Adam/AdamW reads `grad_scale`
+  the same way, so it counts too (`fused=True`).
+- `CopyTargetWriter`: set_copy_targets({id(master): tensor16}) once, at engine start-up; each
+  step() then writes every updated master into its bf16/fp16 tensor (round to nearest even), so
+  the engine skips its cast pass. The engine calls it only when every master has a target.
+
+megazero's fused CPU/CUDA optimizers (megazero.ops) implement both; a new optimizer needs
+neither (Lion has neither: the engine unscales its gradients and casts its copies).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class GradScaleTaker(Protocol):
+    """An optimizer whose step() divides the gradients by `grad_scale` (None: no division)."""
+
+    grad_scale: torch.Tensor | float | None
+
+
+@runtime_checkable
+class CopyTargetWriter(Protocol):
+    """An optimizer whose step() also writes each updated master into its 16-bit copy."""
+
+    def set_copy_targets(self, copies: dict[int, torch.Tensor]) -> None:
+        """{id(master parameter): 16-bit tensor} to be written with each updated master."""
+
+
+def takes_grad_scale(optimizer: torch.optim.Optimizer) -> bool:
+    """True when the engine may hand the unscale/clip divisor to step() as `grad_scale`."""
+    if isinstance(optimizer, GradScaleTaker):
+        return True
+    # torch's fused Adam/AdamW take `grad_scale` by the same convention, without declaring it
+    return isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and bool(optimizer.defaults.get("fused"))
+
+
+def writes_copies(optimizer: torch.optim.Optimizer) -> bool:
+    """True when step() can write the 16-bit model copies (see `CopyTargetWriter`)."""
+    return isinstance(optimizer, CopyTargetWriter)
