@@ -1,286 +1,252 @@
 """The engine configuration: a DeepSpeed-compatible JSON file or dict, validated into typed objects.
 
-Every accepted key has DeepSpeed's meaning and default. Unknown keys, wrong types and
-out-of-range values raise :class:`ConfigError` naming the key (with the nearest valid key as a
-suggestion); nothing is silently ignored.
+The models below are the schema: every accepted key with DeepSpeed's meaning, default, bounds
+and a one-line description. `optimizer.params` is checked against the params model of its type
+(`megazero.optim.registry`), `scheduler.params` against its schedule's (`params_model` in
+`megazero.optim.lr_schedules`). Unknown keys, wrong types and out-of-range values raise
+:class:`ConfigError` in one line naming the full key path and the value given (with the nearest
+valid key as a suggestion); nothing is silently ignored.
+
+`python -m megazero.config schema` prints the JSON Schema (committed as
+configs/megazero.schema.json), `python -m megazero.config readme-table` the README's key table
+(both made in `megazero.config.schema`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import inspect
 import json
 import os
-import types
-import typing
-from dataclasses import dataclass, field
 from typing import Any
+
+from pydantic import AliasChoices, Field, PrivateAttr, ValidationError, field_validator, model_validator
+
+from megazero.config_fields import (
+    Bool,
+    Float,
+    Int,
+    Section,
+    Str,
+    any_case_choice,
+    config_error,
+    error_message,
+    field_keys,
+    int_choice,
+    section_type,
+    suggest,
+    true_only,
+    validate_nested,
+)
 
 
 class ConfigError(ValueError):
     """A configuration key is unknown, has the wrong type, or holds an invalid value."""
 
 
-def _suggest(key: str, valid: typing.Iterable[str]) -> str:
-    close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
-    return f" (did you mean '{close[0]}'?)" if close else ""
-
-
-def check_known_keys(given: dict, valid: typing.Iterable[str], where: str) -> None:
-    """Raise ConfigError for the first key of `given` that is not in `valid`."""
-    valid = list(valid)
-    for key in given:
-        if key not in valid:
-            raise ConfigError(
-                f"unknown key '{where}{key}'{_suggest(key, valid)}; valid keys: {', '.join(sorted(valid))}"
-            )
-
-
-def _check_type(value: Any, annotation: Any, name: str) -> Any:
-    """Check `value` against a simple annotation (bool, int, float, str, dict, list, Optional)."""
-    origin = typing.get_origin(annotation)
-    args = typing.get_args(annotation)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _check_type(value, inner[0], name)
-    expected = origin or annotation
-    if expected is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if expected is int and isinstance(value, float) and value.is_integer():
-        return int(value)  # JSON writers like 5e8
-    if expected in (int, float) and isinstance(value, bool):
-        raise ConfigError(f"'{name}' must be {expected.__name__}, got bool {value!r}")
-    if not isinstance(value, expected):
-        raise ConfigError(f"'{name}' must be {expected.__name__}, got {type(value).__name__} {value!r}")
-    return value
-
-
-def _from_dict(cls: type, given: Any, where: str):
-    """Build dataclass `cls` from `given`, checking key names and value types."""
-    if given is None:
-        return cls()
-    if not isinstance(given, dict):
-        raise ConfigError(f"'{where.rstrip('.')}' must be an object, got {type(given).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    check_known_keys(given, fields, where)
-    hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for key, value in given.items():
-        kwargs[key] = _check_type(value, hints[key], where + key)
-    obj = cls(**kwargs)
-    obj.validate(where)
-    return obj
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ConfigError(message)
-
-
-@dataclass
-class FP16Config:
+class FP16Config(Section):
     """`fp16`: half precision with a (dynamic by default) loss scale."""
 
-    enabled: bool = False
-    loss_scale: float = 0.0  # 0 means dynamic loss scaling
-    initial_scale_power: int = 16  # dynamic scaling starts at 2**initial_scale_power
-    loss_scale_window: int = 1000  # clean steps before the scale doubles
-    hysteresis: int = 2  # overflows tolerated before the scale halves
-    consecutive_hysteresis: bool = False  # refill hysteresis after every clean step
-    min_loss_scale: float = 1.0
-
-    def validate(self, where: str) -> None:
-        _require(self.loss_scale >= 0, f"'{where}loss_scale' must be >= 0 (0 = dynamic), got {self.loss_scale}")
-        _require(0 <= self.initial_scale_power <= 64,
-                 f"'{where}initial_scale_power' must be in [0, 64], got {self.initial_scale_power}")
-        _require(self.loss_scale_window >= 1,
-                 f"'{where}loss_scale_window' must be >= 1, got {self.loss_scale_window}")
-        _require(self.hysteresis >= 1, f"'{where}hysteresis' must be >= 1, got {self.hysteresis}")
-        _require(self.min_loss_scale > 0, f"'{where}min_loss_scale' must be > 0, got {self.min_loss_scale}")
+    enabled: Bool = Field(False, description="compute in float16 with fp32 master weights")
+    loss_scale: Float = Field(0.0, ge=0, description="static loss scale; 0 = dynamic loss scaling")
+    initial_scale_power: Int = Field(16, ge=0, le=64, description="dynamic scaling starts at 2**initial_scale_power")
+    loss_scale_window: Int = Field(1000, ge=1, description="clean steps before the dynamic scale doubles")
+    hysteresis: Int = Field(2, ge=1, description="overflows tolerated before the dynamic scale halves")
+    consecutive_hysteresis: Bool = Field(False, description="refill the hysteresis after every clean step")
+    min_loss_scale: Float = Field(1.0, gt=0, description="the dynamic scale never drops below this")
 
 
-@dataclass
-class BF16Config:
-    """`bf16`: bfloat16 compute with fp32 master weights and fp32 gradient accumulation."""
+class BF16Config(Section):
+    """`bf16` (or DeepSpeed's older `bfloat16`): bfloat16 compute with fp32 master weights and fp32
+    gradient accumulation; giving both spellings is an error unless they are equal (DeepSpeed would
+    read `bf16` and drop `bfloat16` silently)."""
 
-    enabled: bool = False
-
-    def validate(self, where: str) -> None:
-        pass
+    enabled: Bool = Field(False, description="compute in bfloat16 with fp32 master weights")
 
 
-@dataclass
-class ZeroConfig:
+class ZeroConfig(Section):
     """`zero_optimization`: stage 0 is plain data parallelism with bucketed all-reduce; stage 1
-    partitions the fp32 master weights and optimizer states; stage 2 the gradients too."""
+    partitions the fp32 master weights and optimizer states; stage 2 the gradients too; stage 3 the
+    16-bit parameters as well."""
 
-    stage: int = 0
-    reduce_bucket_size: int = 500_000_000  # elements per gradient bucket
-    overlap_comm: bool = True  # start a bucket's reduction during backward, as soon as it fills
-    stage3_param_persistence_threshold: int = 100_000  # stage 3: smaller units stay whole
-    stage3_prefetch_bucket_size: int = 50_000_000  # stage 3: prefetch the next layer up to this size (0: off)
-    contiguous_gradients: bool = True  # gradient partitions are always one contiguous buffer here
-    reduce_scatter: bool = True  # stages 2-3 always reduce-scatter (never all-reduce) the gradients
-    stage3_gather_16bit_weights_on_model_save: bool = False  # save_16bit_model() gathers stage 3's weights
-
-    def validate(self, where: str) -> None:
-        _require(self.stage in (0, 1, 2, 3), f"'{where}stage' must be 0, 1, 2 or 3, got {self.stage}")
-        _require(self.stage3_param_persistence_threshold >= 0,
-                 f"'{where}stage3_param_persistence_threshold' must be >= 0")
-        _require(self.stage3_prefetch_bucket_size >= 0, f"'{where}stage3_prefetch_bucket_size' must be >= 0")
-        _require(self.contiguous_gradients, f"'{where}contiguous_gradients' false is not supported: megazero "
-                                            f"always keeps gradients in contiguous buffers")
-        _require(self.reduce_scatter, f"'{where}reduce_scatter' false is not supported: gradients are always "
-                                      f"reduce-scattered")
-        _require(self.reduce_bucket_size >= 1,
-                 f"'{where}reduce_bucket_size' must be >= 1, got {self.reduce_bucket_size}")
+    stage: int_choice(0, 1, 2, 3) = Field(
+        0, description="ZeRO stage: 0 (replicated), 1 (optimizer states), 2 (+ gradients), 3 (+ parameters)")
+    reduce_bucket_size: Int = Field(
+        500_000_000, ge=1, description="elements per gradient bucket: a bucket closes at the first parameter "
+                                       "that brings it to this size (at stage 3 buckets span layers)")
+    overlap_comm: Bool = Field(True, description="reduce a bucket during the rest of backward, as soon as it fills "
+                                                 "(false: stages 0-2 reduce after backward, stage 3 waits for "
+                                                 "each bucket as it fills)")
+    stage3_param_persistence_threshold: Int = Field(
+        100_000, ge=0, description="stage 3: parameters smaller than this stay whole on every rank")
+    stage3_prefetch_bucket_size: Int = Field(
+        50_000_000, ge=0, description="stage 3: prefetch the next layer's parameters up to this size (0: off)")
+    contiguous_gradients: true_only("megazero always keeps gradients in contiguous buffers") = Field(
+        True, description="gradient partitions are always one contiguous buffer here (true only)")
+    reduce_scatter: true_only("gradients are always reduce-scattered") = Field(
+        True, description="stages 2-3 always reduce-scatter the gradients (true only)")
+    stage3_gather_16bit_weights_on_model_save: Bool = Field(
+        False, description="save_16bit_model() gathers stage 3's weights (false: it warns and writes nothing)")
 
 
-@dataclass
-class TensorBoardConfig:
+class TensorBoardConfig(Section):
     """`tensorboard`: scalars written by rank 0 to output_path/job_name."""
 
-    enabled: bool = False
-    output_path: str = ""
-    job_name: str = "megazero"
-
-    def validate(self, where: str) -> None:
-        pass
+    enabled: Bool = Field(False, description="write TensorBoard scalars")
+    output_path: Str = Field("", description="directory of the event files")
+    job_name: Str = Field("megazero", description="subdirectory of output_path for this run")
 
 
-@dataclass
-class WandbConfig:
-    """`wandb`: offline unless WANDB_API_KEY is set (or WANDB_MODE says otherwise)."""
+class WandbConfig(Section):
+    """`wandb`: run by rank 0, offline unless WANDB_API_KEY is set (or WANDB_MODE says otherwise)."""
 
-    enabled: bool = False
-    team: str | None = None
-    group: str | None = None
-    project: str = "megazero"
-
-    def validate(self, where: str) -> None:
-        pass
+    enabled: Bool = Field(False, description="log to Weights & Biases (rank 0)")
+    team: Str | None = Field(None, description="the W&B entity")
+    group: Str | None = Field(None, description="the W&B run group")
+    project: Str = Field("megazero", description="the W&B project")
 
 
-@dataclass
-class FlopsProfilerConfig:
-    """`flops_profiler`: profile the forward of one step (DeepSpeed's keys)."""
+class FlopsProfilerConfig(Section):
+    """`flops_profiler`: profile the forward of one step (DeepSpeed's keys); rank 0 prints or writes it."""
 
-    enabled: bool = False
-    profile_step: int = 1  # the optimizer step (1-based) whose first forward is profiled
-    module_depth: int = -1  # -1: every depth
-    top_modules: int = 1
-    detailed: bool = True
-    output_file: str | None = None  # default: print on rank 0
-
-    def validate(self, where: str) -> None:
-        _require(self.profile_step >= 1, f"'{where}profile_step' must be >= 1, got {self.profile_step}")
-        _require(self.top_modules >= 1, f"'{where}top_modules' must be >= 1, got {self.top_modules}")
+    enabled: Bool = Field(False, description="profile one forward")
+    profile_step: Int = Field(1, ge=1, description="the optimizer step (1-based) whose first forward is profiled")
+    module_depth: Int = Field(-1, ge=-1, description="depth of the module tree shown; -1: every depth")
+    top_modules: Int = Field(1, ge=1, description="modules listed per depth, most FLOPs first")
+    detailed: Bool = Field(True, description="print the per-module tree")
+    output_file: Str | None = Field(None, description="write the profile here (null: print on rank 0)")
 
 
-@dataclass
-class ActivationCheckpointingConfig:
-    """`activation_checkpointing`: options of megazero.activation_checkpointing.configure (DeepSpeed's keys)."""
+class ActivationCheckpointingConfig(Section):
+    """`activation_checkpointing`: options of megazero.activation_checkpointing.configure
+    (DeepSpeed's keys), with the mpu's tensor-parallel group."""
 
-    partition_activations: bool = False
-    cpu_checkpointing: bool = False
-    contiguous_memory_optimization: bool = False
-    number_checkpoints: int | None = None
-    synchronize_checkpoint_boundary: bool = False
-    profile: bool = False
+    partition_activations: Bool = Field(False, description="split each checkpointed input across the TP ranks")
+    cpu_checkpointing: Bool = Field(False, description="keep the (partitioned) checkpoints in CPU memory")
+    contiguous_memory_optimization: Bool = Field(
+        False, description="copy checkpoints into preallocated buffers (needs partitioning and number_checkpoints)")
+    number_checkpoints: Int | None = Field(None, ge=1, description="checkpoints per step: the buffer slots")
+    synchronize_checkpoint_boundary: Bool = Field(
+        False, description="synchronize the device before and after each checkpointed forward and recompute")
+    profile: Bool = Field(False, description="time each checkpointed forward and recompute (rank 0 prints)")
 
-    def validate(self, where: str) -> None:
-        _require(not self.contiguous_memory_optimization or self.partition_activations,
-                 f"'{where}contiguous_memory_optimization' needs '{where}partition_activations' (as in DeepSpeed)")
-        _require(not self.contiguous_memory_optimization or bool(self.number_checkpoints),
-                 f"'{where}contiguous_memory_optimization' needs '{where}number_checkpoints' (buffer slots)")
-
-
-TAG_VALIDATION_MODES = ("WARN", "IGNORE", "FAIL")
-
-
-@dataclass
-class CheckpointConfig:
-    """`checkpoint`: how save_checkpoint() treats tags that differ across ranks (DeepSpeed's keys).
-    Every rank uses rank 0's tag; Warn (default) names the ranks that differ, Fail raises, Ignore is silent."""
-
-    tag_validation: str = "WARN"  # Warn | Ignore | Fail, any case (stored upper-case)
-
-    def validate(self, where: str) -> None:
-        _require(self.tag_validation.upper() in TAG_VALIDATION_MODES,
-                 f"'{where}tag_validation' must be one of Warn, Ignore, Fail (any case), got {self.tag_validation!r}")
-        self.tag_validation = self.tag_validation.upper()
+    @model_validator(mode="after")
+    def _contiguous_needs(self) -> ActivationCheckpointingConfig:
+        if self.contiguous_memory_optimization and not self.partition_activations:
+            raise config_error("'{path}' needs '{where}partition_activations' (as in DeepSpeed)",
+                               "contiguous_memory_optimization")
+        if self.contiguous_memory_optimization and not self.number_checkpoints:
+            raise config_error("'{path}' needs '{where}number_checkpoints' (buffer slots)",
+                               "contiguous_memory_optimization")
+        return self
 
 
-OPTIMIZER_PARAMS: dict[str, set[str]] = {
-    "adam": {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam", "amsgrad", "bias_correction"},
-    "adamw": {"lr", "betas", "eps", "weight_decay", "torch_adam", "amsgrad", "bias_correction"},
-    "sgd": {"lr", "momentum", "dampening", "weight_decay", "nesterov"},
-    "lamb": {"lr", "betas", "eps", "weight_decay", "bias_correction", "max_coeff", "min_coeff", "torch_adam"},
-    "adagrad": {"lr", "lr_decay", "eps", "weight_decay", "initial_accumulator_value", "torch_adam"},
-}
+TAG_VALIDATION_MODES = ("Warn", "Ignore", "Fail")
 
 
-@dataclass
-class OptimizerConfig:
-    """`optimizer`: {"type": Adam | AdamW | SGD | Lamb | Adagrad, "params": {...}} (type is case-insensitive)."""
+class CheckpointConfig(Section):
+    """`checkpoint`: how save_checkpoint() and load_checkpoint() treat tags that differ across ranks
+    (DeepSpeed's keys); every rank uses rank 0's tag."""
 
-    type: str = "AdamW"
-    params: dict = field(default_factory=dict)
-
-    def validate(self, where: str) -> None:
-        kind = self.type.lower()
-        _require(kind in OPTIMIZER_PARAMS,
-                 f"'{where}type' {self.type!r} is not supported{_suggest(kind, OPTIMIZER_PARAMS)}; "
-                 f"choose one of Adam, AdamW, SGD, Lamb, Adagrad")
-        check_known_keys(self.params, OPTIMIZER_PARAMS[kind], f"{where}params.")
-        if "lr" in self.params:
-            _check_type(self.params["lr"], float, f"{where}params.lr")
-            _require(self.params["lr"] >= 0, f"'{where}params.lr' must be >= 0, got {self.params['lr']}")
+    tag_validation: any_case_choice(TAG_VALIDATION_MODES) = Field(
+        "WARN", description="Warn names the ranks that differ, Fail raises, Ignore is silent (any case; "
+                            "stored upper-case)")
 
 
-@dataclass
-class SchedulerConfig:
-    """`scheduler`: {"type": one of megazero.optim.lr_schedules.SCHEDULERS, "params": {...}}."""
+def _optimizers() -> dict:
+    # lazy: megazero.optim imports the builder, which imports this module
+    from megazero.optim.registry import OPTIMIZERS
 
-    type: str = "WarmupLR"
-    params: dict = field(default_factory=dict)
-
-    def validate(self, where: str) -> None:
-        from megazero.optim.lr_schedules import SCHEDULERS
-
-        _require(self.type in SCHEDULERS,
-                 f"'{where}type' {self.type!r} is not a known scheduler{_suggest(self.type, SCHEDULERS)}; "
-                 f"choose one of {', '.join(SCHEDULERS)}")
-        signature = inspect.signature(SCHEDULERS[self.type].__init__)
-        accepted = [p for p in signature.parameters if p not in ("self", "optimizer", "last_batch_iteration")]
-        check_known_keys(self.params, accepted, f"{where}params.")
+    return OPTIMIZERS
 
 
-@dataclass
-class EngineConfig:
-    """The whole engine configuration, with the batch-size triad resolved for a data-parallel size."""
+def _schedulers() -> dict:
+    from megazero.optim.lr_schedules import SCHEDULERS  # lazy: it imports torch
 
-    train_batch_size: int
-    train_micro_batch_size_per_gpu: int
-    gradient_accumulation_steps: int
-    data_parallel_size: int
-    optimizer: OptimizerConfig | None = None
-    scheduler: SchedulerConfig | None = None
-    fp16: FP16Config = field(default_factory=FP16Config)
-    bf16: BF16Config = field(default_factory=BF16Config)
-    zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
-    gradient_clipping: float = 0.0
-    steps_per_print: int = 10
-    wall_clock_breakdown: bool = False
-    tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
-    wandb: WandbConfig = field(default_factory=WandbConfig)
-    flops_profiler: FlopsProfilerConfig = field(default_factory=FlopsProfilerConfig)
-    activation_checkpointing: ActivationCheckpointingConfig | None = None
-    seed: int | None = None
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    return SCHEDULERS
+
+
+class OptimizerConfig(Section):
+    """`optimizer`: {"type": one of megazero.optim.registry.OPTIMIZERS, "params": {...}}; on CPU the C++
+    op runs Adam, AdamW, Lamb and Adagrad unless `torch_adam: true`."""
+
+    type: Str = Field("AdamW", description="the optimizer, any case")
+    params: dict[str, Any] = Field(default_factory=dict, description="the optimizer's keys (per type, below)")
+
+    @field_validator("type")
+    @classmethod
+    def _known_type(cls, value: str) -> str:
+        optimizers = _optimizers()
+        if value.lower() not in optimizers:
+            raise config_error(f"'{{path}}' {value!r} is not supported{suggest(value.lower(), optimizers)}; "
+                               f"choose one of {', '.join(spec.name for spec in optimizers.values())}")
+        return value
+
+    @field_validator("params")
+    @classmethod
+    def _params_of_type(cls, value: dict, info) -> dict:
+        if "type" not in info.data:  # the type was wrong: that is the error reported
+            return value
+        checked = validate_nested(_optimizers()[info.data["type"].lower()].params, value)
+        # the builder gets only the keys given (coerced), so that unset ones keep the builder's defaults
+        return {key: getattr(checked, key) for key in value}
+
+
+class SchedulerConfig(Section):
+    """`scheduler`: {"type": one of megazero.optim.lr_schedules.SCHEDULERS, "params": {...}}, with
+    DeepSpeed's names, parameters and defaults."""
+
+    type: Str = Field("WarmupLR", description="the LR schedule (case-sensitive, as in DeepSpeed)")
+    params: dict[str, Any] = Field(default_factory=dict, description="the schedule's keys (per type, below)")
+
+    @field_validator("type")
+    @classmethod
+    def _known_type(cls, value: str) -> str:
+        schedulers = _schedulers()
+        if value not in schedulers:
+            raise config_error(f"'{{path}}' {value!r} is not a known scheduler{suggest(value, schedulers)}; "
+                               f"choose one of {', '.join(schedulers)}")
+        return value
+
+    @field_validator("params")
+    @classmethod
+    def _params_of_type(cls, value: dict, info) -> dict:
+        if "type" not in info.data:
+            return value
+        checked = validate_nested(_schedulers()[info.data["type"]].params_model, value)
+        return {key: getattr(checked, key) for key in value}
+
+
+class EngineConfig(Section):
+    """The whole engine configuration (DeepSpeed's keys), with the batch-size triad resolved for a
+    data-parallel size by parse_config()."""
+
+    train_batch_size: Int | None = Field(
+        None, ge=1, description="samples per optimizer step over all data-parallel ranks; any two of the triad "
+                                "give the third: train = micro x accumulation x data-parallel size")
+    train_micro_batch_size_per_gpu: Int | None = Field(None, ge=1, description="samples per forward on one rank")
+    gradient_accumulation_steps: Int | None = Field(None, ge=1, description="micro-batches per optimizer step")
+    optimizer: OptimizerConfig | None = Field(None, description="the optimizer built by initialize()")
+    scheduler: SchedulerConfig | None = Field(None, description="the LR schedule built by initialize()")
+    fp16: FP16Config = Field(default_factory=FP16Config, description="float16 compute and loss scaling")
+    bf16: BF16Config = Field(default_factory=BF16Config, validation_alias=AliasChoices("bf16", "bfloat16"),
+                             description="bfloat16 compute ('bfloat16' is DeepSpeed's older spelling)")
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig, description="ZeRO partitioning")
+    gradient_clipping: Float = Field(0.0, ge=0, description="clip the global gradient norm to this; 0 = off")
+    steps_per_print: Int = Field(10, ge=1, description="print progress every this many optimizer steps")
+    wall_clock_breakdown: Bool = Field(False, description="time forward, backward and step (synchronizing)")
+    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig, description="TensorBoard scalars")
+    wandb: WandbConfig = Field(default_factory=WandbConfig, description="Weights & Biases logging")
+    flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig, description="FLOPs profile")
+    activation_checkpointing: ActivationCheckpointingConfig | None = Field(
+        None, description="activation checkpointing options (absent: configure() is not called)")
+    seed: Int | None = Field(None, ge=0, lt=2**32, description="seed python, numpy and torch before building")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="checkpoint tag checks")
+
+    _data_parallel_size: int = PrivateAttr(1)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """The data-parallel size the batch triad was resolved for."""
+        return self._data_parallel_size
 
     @property
     def compute_dtype(self):
@@ -293,29 +259,31 @@ class EngineConfig:
             return torch.bfloat16
         return torch.float32
 
+    @model_validator(mode="before")
+    @classmethod
+    def _spellings_and_nulls(cls, raw: Any) -> Any:
+        if not isinstance(raw, dict):
+            return raw
+        raw = dict(raw)
+        # `bf16` and `bfloat16` name one block: both only if they agree (DeepSpeed would silently
+        # read `bf16` and drop `bfloat16`)
+        if "bf16" in raw and "bfloat16" in raw:
+            if raw["bf16"] != raw["bfloat16"]:
+                raise config_error(f"'bf16' {json.dumps(raw['bf16'])} and 'bfloat16' {json.dumps(raw['bfloat16'])} "
+                                   f"are both given and disagree; they are one block ('bfloat16' is the old "
+                                   f"spelling): keep one")
+            del raw["bfloat16"]
+        for key, info in cls.model_fields.items():  # a block given as null is the block's defaults
+            for name in field_keys(key, info):
+                if name in raw and raw[name] is None and section_type(info.annotation) is not None:
+                    raw[name] = {}
+        return raw
 
-_TOP_LEVEL_SCALARS = {
-    "train_batch_size": int | None,
-    "train_micro_batch_size_per_gpu": int | None,
-    "gradient_accumulation_steps": int | None,
-    "gradient_clipping": float,
-    "steps_per_print": int,
-    "wall_clock_breakdown": bool,
-    "seed": int | None,
-}
-_SECTIONS = {
-    "optimizer": OptimizerConfig,
-    "scheduler": SchedulerConfig,
-    "fp16": FP16Config,
-    "bf16": BF16Config,
-    "bfloat16": BF16Config,  # DeepSpeed's older spelling
-    "zero_optimization": ZeroConfig,
-    "tensorboard": TensorBoardConfig,
-    "wandb": WandbConfig,
-    "flops_profiler": FlopsProfilerConfig,
-    "activation_checkpointing": ActivationCheckpointingConfig,
-    "checkpoint": CheckpointConfig,
-}
+    @model_validator(mode="after")
+    def _one_precision(self) -> EngineConfig:
+        if self.fp16.enabled and self.bf16.enabled:
+            raise config_error("'fp16.enabled' and 'bf16.enabled' are both true; choose one", "fp16", "enabled")
+        return self
 
 
 def resolve_batch_triad(train: int | None, micro: int | None, accum: int | None, dp: int) -> tuple[int, int, int]:
@@ -363,34 +331,20 @@ def load_config_source(source: str | os.PathLike | dict) -> dict:
     return raw
 
 
-def _check_bf16_spellings(raw: dict) -> None:
-    """`bf16` and its old spelling `bfloat16` name one block: both may be given only if they agree
-    (DeepSpeed would silently read `bf16` and drop `bfloat16`)."""
-    if "bf16" in raw and "bfloat16" in raw and raw["bf16"] != raw["bfloat16"]:
-        raise ConfigError(f"'bf16' {json.dumps(raw['bf16'])} and 'bfloat16' {json.dumps(raw['bfloat16'])} are "
-                          f"both given and disagree; they are one block ('bfloat16' is the old spelling): keep one")
+def validate_config(raw: dict) -> EngineConfig:
+    """Validate a raw config dict into an EngineConfig (the triad as given, not yet resolved)."""
+    try:
+        return EngineConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(error_message(EngineConfig, e)) from None
 
 
 def parse_config(source: str | os.PathLike | dict, data_parallel_size: int) -> EngineConfig:
     """Validate a DeepSpeed-style config (path or dict) into an EngineConfig for `data_parallel_size`."""
-    raw = load_config_source(source)
-    check_known_keys(raw, list(_TOP_LEVEL_SCALARS) + list(_SECTIONS), "")
-    _check_bf16_spellings(raw)
-    values = {key: _check_type(raw[key], kind, key) if key in raw else None
-              for key, kind in _TOP_LEVEL_SCALARS.items()}
-    sections = {}
-    for key, cls in _SECTIONS.items():
-        if key in raw:
-            sections["bf16" if key == "bfloat16" else key] = _from_dict(cls, raw[key], key + ".")
-    train, micro, accum = resolve_batch_triad(values["train_batch_size"], values["train_micro_batch_size_per_gpu"],
-                                              values["gradient_accumulation_steps"], data_parallel_size)
-    config = EngineConfig(train, micro, accum, data_parallel_size, **sections,
-                          **{k: v for k, v in values.items() if v is not None and k not in (
-                              "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")})
-    if config.fp16.enabled and config.bf16.enabled:
-        raise ConfigError("'fp16.enabled' and 'bf16.enabled' are both true; choose one")
-    if config.gradient_clipping < 0:
-        raise ConfigError(f"'gradient_clipping' must be >= 0 (0 = off), got {config.gradient_clipping}")
-    if config.steps_per_print < 1:
-        raise ConfigError(f"'steps_per_print' must be >= 1, got {config.steps_per_print}")
+    config = validate_config(load_config_source(source))
+    train, micro, accum = resolve_batch_triad(config.train_batch_size, config.train_micro_batch_size_per_gpu,
+                                              config.gradient_accumulation_steps, data_parallel_size)
+    config = config.model_copy(update={"train_batch_size": train, "train_micro_batch_size_per_gpu": micro,
+                                       "gradient_accumulation_steps": accum})
+    config._data_parallel_size = data_parallel_size
     return config
