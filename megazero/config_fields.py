@@ -224,3 +224,10 @@ def validate_nested(model: type[BaseModel], value: Any, *sub_loc: str) -> BaseMo
     except ValidationError as exc:
         loc, template = _describe(model, exc.errors()[0])
         raise config_error(template, *sub_loc, *loc) from None
+
+
+def validate_given(model: type[BaseModel], params: dict) -> dict:
+    """`params` validated as `model`, keeping only the keys given (coerced: 5e1 -> 50, a list of betas ->
+    a tuple), so that whoever builds from them keeps its own defaults for the rest."""
+    checked = validate_nested(model, params)
+    return {key: getattr(checked, key) for key in params}

@@ -34,7 +34,7 @@ from megazero.config_fields import (
     section_type,
     suggest,
     true_only,
-    validate_nested,
+    validate_given,
 )
 
 
@@ -185,9 +185,7 @@ class OptimizerConfig(Section):
     def _params_of_type(cls, value: dict, info) -> dict:
         if "type" not in info.data:  # the type was wrong: that is the error reported
             return value
-        checked = validate_nested(_optimizers()[info.data["type"].lower()].params, value)
-        # the builder gets only the keys given (coerced), so that unset ones keep the builder's defaults
-        return {key: getattr(checked, key) for key in value}
+        return validate_given(_optimizers()[info.data["type"].lower()].params, value)
 
 
 class SchedulerConfig(Section):
@@ -211,8 +209,7 @@ class SchedulerConfig(Section):
     def _params_of_type(cls, value: dict, info) -> dict:
         if "type" not in info.data:
             return value
-        checked = validate_nested(_schedulers()[info.data["type"]].params_model, value)
-        return {key: getattr(checked, key) for key in value}
+        return validate_given(_schedulers()[info.data["type"]].params_model, value)
 
 
 class EngineConfig(Section):
