@@ -74,11 +74,9 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         seed_tracker(engine_config.seed if engine_config.seed is not None else torch.initial_seed() % 2**31,
                      grid.tp_rank)
     if engine_config.activation_checkpointing is not None:
-        from dataclasses import asdict
-
         from megazero import activation_checkpointing
 
-        activation_checkpointing.configure(mpu, **asdict(engine_config.activation_checkpointing))
+        activation_checkpointing.configure(mpu, **engine_config.activation_checkpointing.model_dump())
     if engine_config.compute_dtype != torch.float32:
         model = model.to(engine_config.compute_dtype)
     groups = _param_groups(optimizer, model_parameters, model, engine_config)

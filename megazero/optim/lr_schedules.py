@@ -3,13 +3,20 @@
 Each schedule sets the LR of every param group when it is built (iteration -1) and on every
 `step()`, which the engine calls after each successful optimizer step. `last_batch_iteration`
 counts completed steps; `state_dict()` holds only it, so restoring it restores the schedule.
+
+Each schedule's `params_model` (declared next to it) is the schema of its `scheduler.params`: the
+keys of its signature with their defaults and bounds, which the config validates against.
 """
 
 from __future__ import annotations
 
 import math
+from typing import ClassVar, Literal
 
 import torch
+from pydantic import Field
+
+from megazero.config_fields import Bool, Float, Int, NonNegativeFloats, Section
 
 WARMUP_LOG = "log"
 WARMUP_LINEAR = "linear"
@@ -72,8 +79,22 @@ class _Schedule:
         self._last_lr = _set_lrs(self.optimizer, self.get_lr())
 
 
+WarmupType = Literal["log", "linear"]
+
+
+class WarmupLRParams(Section):
+    """WarmupLR: warm up from warmup_min_lr to warmup_max_lr over warmup_num_steps, then hold."""
+
+    warmup_min_lr: NonNegativeFloats = Field(0.0, description="LR at the start of warm-up (or one per param group)")
+    warmup_max_lr: NonNegativeFloats = Field(0.001, description="LR at the end of warm-up (or one per param group)")
+    warmup_num_steps: Int = Field(1000, ge=1, description="warm-up steps (at least 2 are taken)")
+    warmup_type: WarmupType = Field(WARMUP_LOG, description="warm-up curve: log(i+1)/log(n) or linear i/n")
+
+
 class WarmupLR(_Schedule):
     """Warm up from warmup_min_lr to warmup_max_lr over warmup_num_steps (log or linear), then hold."""
+
+    params_model: ClassVar[type[Section]] = WarmupLRParams
 
     def __init__(self, optimizer: torch.optim.Optimizer, warmup_min_lr: float = 0.0,
                  warmup_max_lr: float = 0.001, warmup_num_steps: int = 1000, warmup_type: str = WARMUP_LOG,
@@ -101,8 +122,16 @@ class WarmupLR(_Schedule):
         return [lo + (hi - lo) * gamma for lo, hi in zip(self.min_lrs, self.max_lrs)]
 
 
+class WarmupDecayLRParams(WarmupLRParams):
+    """WarmupDecayLR: WarmupLR, then linear decay to 0 at total_num_steps."""
+
+    total_num_steps: Int = Field(ge=1, description="the step at which the LR reaches 0")
+
+
 class WarmupDecayLR(WarmupLR):
     """WarmupLR, then linear decay to 0 at total_num_steps."""
+
+    params_model: ClassVar[type[Section]] = WarmupDecayLRParams
 
     def __init__(self, optimizer: torch.optim.Optimizer, total_num_steps: int, warmup_min_lr: float = 0.0,
                  warmup_max_lr: float = 0.001, warmup_num_steps: int = 1000, warmup_type: str = WARMUP_LOG,
@@ -118,11 +147,23 @@ class WarmupDecayLR(WarmupLR):
         return max(0.0, remaining / max(1.0, self.total_num_steps - self.warmup_num_steps))
 
 
+class WarmupCosineLRParams(Section):
+    """WarmupCosineLR: the optimizer's LR times a ratio warmed up to 1, then cosine-decayed."""
+
+    total_num_steps: Int = Field(ge=1, description="the step at which the cosine reaches cos_min_ratio")
+    warmup_min_ratio: Float = Field(0.0, ge=0, le=1, description="ratio at the start of warm-up")
+    warmup_num_steps: Int = Field(1000, ge=1, description="warm-up steps (at least 2 are taken)")
+    cos_min_ratio: Float = Field(0.0001, ge=0, le=1, description="ratio at the end of the cosine")
+    warmup_type: WarmupType = Field(WARMUP_LOG, description="warm-up curve: log(i+1)/log(n) or linear i/n")
+
+
 class WarmupCosineLR(_Schedule):
     """Warm up the ratio from warmup_min_ratio to 1, then cosine-decay it to cos_min_ratio.
 
     The LR is the optimizer's initial LR times the ratio.
     """
+
+    params_model: ClassVar[type[Section]] = WarmupCosineLRParams
 
     def __init__(self, optimizer: torch.optim.Optimizer, total_num_steps: int, warmup_min_ratio: float = 0.0,
                  warmup_num_steps: int = 1000, cos_min_ratio: float = 0.0001, warmup_type: str = WARMUP_LOG,
@@ -166,6 +207,24 @@ def momentum_key(optimizer: torch.optim.Optimizer) -> str | None:
     return None
 
 
+class OneCycleParams(Section):
+    """OneCycle: LR up cycle_min_lr -> cycle_max_lr and back (momentum the other way), then decay."""
+
+    cycle_min_lr: Float = Field(ge=0, description="LR at the start and end of the cycle")
+    cycle_max_lr: Float = Field(ge=0, description="LR at the peak of the cycle")
+    decay_lr_rate: Float = Field(0.0, ge=0, description="after the cycle: LR / (1 + rate * steps / decay_step_size)")
+    cycle_first_step_size: Int = Field(2000, ge=1, description="steps of the rising half")
+    cycle_second_step_size: Int | None = Field(None, ge=1, description="steps of the falling half (null: as rising)")
+    cycle_first_stair_count: Int = Field(0, ge=0, description="stairs in the rising half (0: smooth)")
+    cycle_second_stair_count: Int | None = Field(None, ge=0, description="stairs in the falling half (null: as rising)")
+    decay_step_size: Int = Field(0, ge=0, description="steps per decay interval after the cycle (0: no decay)")
+    cycle_momentum: Bool = Field(True, description="cycle beta1 (or SGD's momentum) inversely to the LR")
+    cycle_min_mom: Float = Field(0.8, ge=0, description="momentum at the LR's peak")
+    cycle_max_mom: Float = Field(0.9, ge=0, description="momentum at the start and end of the cycle")
+    decay_mom_rate: Float = Field(0.0, ge=0,
+                                  description="after the cycle: momentum * (1 + rate * steps / decay_step_size)")
+
+
 class OneCycle(_Schedule):
     """1Cycle: LR rises cycle_min_lr -> cycle_max_lr and falls back (momentum moves the other way),
     optionally in stairs, then decays by 1/(1 + decay_lr_rate * steps/decay_step_size).
@@ -173,6 +232,8 @@ class OneCycle(_Schedule):
     The momentum cycled is beta1 for optimizers with `betas` and `momentum` for SGD; an optimizer
     with neither needs cycle_momentum=False (DeepSpeed would silently stop cycling).
     """
+
+    params_model: ClassVar[type[Section]] = OneCycleParams
 
     def __init__(self, optimizer: torch.optim.Optimizer, cycle_min_lr: float, cycle_max_lr: float,
                  decay_lr_rate: float = 0.0, cycle_first_step_size: int = 2000,
@@ -268,9 +329,20 @@ class OneCycle(_Schedule):
             self._set_momentum(self.get_mom())
 
 
+class LRRangeTestParams(Section):
+    """LRRangeTest: LR grows from lr_range_test_min_lr by step_rate per step_size steps."""
+
+    lr_range_test_min_lr: NonNegativeFloats = Field(1e-3, description="starting LR (or one per param group)")
+    lr_range_test_step_size: Int = Field(2000, ge=1, description="steps per interval")
+    lr_range_test_step_rate: Float = Field(1.0, ge=0, description="LR increase per interval, as a multiple of min_lr")
+    lr_range_test_staircase: Bool = Field(False, description="grow in whole intervals (stairs) instead of smoothly")
+
+
 class LRRangeTest(_Schedule):
     """LR range test: lr = min_lr * (1 + step_rate * interval), interval = (i + 1) / step_size
     (floored when staircase)."""
+
+    params_model: ClassVar[type[Section]] = LRRangeTestParams
 
     def __init__(self, optimizer: torch.optim.Optimizer, lr_range_test_min_lr: float = 1e-3,
                  lr_range_test_step_size: int = 2000, lr_range_test_step_rate: float = 1.0,

@@ -6,9 +6,9 @@ validates `optimizer.params` against it, and the builder passes on only the keys
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from megazero.config_fields import Betas, Bool, Float, Section
+from megazero.config_fields import Betas, Bool, Float, Section, config_error, true_only
 
 
 class AdamWParams(Section):
@@ -20,7 +20,8 @@ class AdamWParams(Section):
     weight_decay: Float = Field(0.0, ge=0, description="decoupled weight decay (DeepSpeed's default 0)")
     torch_adam: Bool = Field(False, description="use torch's optimizer instead of megazero's fused op")
     amsgrad: Bool = Field(False, description="AMSGrad's running maximum of the second moment (torch's optimizer)")
-    bias_correction: Bool = Field(True, description="only true is supported (false is Lamb's option)")
+    bias_correction: true_only("Adam and AdamW always correct the moments' bias (false is Lamb's option)") = Field(
+        True, description="only true is supported (false is Lamb's option)")
 
 
 class AdamParams(AdamWParams):
@@ -37,6 +38,14 @@ class SGDParams(Section):
     dampening: Float = Field(0.0, ge=0, description="dampening of the momentum")
     weight_decay: Float = Field(0.0, ge=0, description="L2 penalty added to the gradient")
     nesterov: Bool = Field(False, description="Nesterov momentum (needs momentum > 0 and dampening 0)")
+
+    @model_validator(mode="after")
+    def _nesterov_needs_momentum(self) -> SGDParams:
+        # torch.optim.SGD raises the same only when the optimizer is built; the config says it first
+        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
+            raise config_error(f"'{{path}}' true needs '{{where}}momentum' > 0 and '{{where}}dampening' 0, got "
+                               f"momentum {self.momentum}, dampening {self.dampening}", "nesterov")
+        return self
 
 
 class LambParams(Section):

@@ -1,0 +1,347 @@
+"""The engine configuration: a DeepSpeed-compatible JSON file or dict, validated into typed objects.
+
+The models below are the schema: every accepted key with DeepSpeed's meaning, default, bounds
+and a one-line description. `optimizer.params` is checked against the params model of its type
+(`megazero.optim.registry`), `scheduler.params` against its schedule's (`params_model` in
+`megazero.optim.lr_schedules`). Unknown keys, wrong types and out-of-range values raise
+:class:`ConfigError` in one line naming the full key path and the value given (with the nearest
+valid key as a suggestion); nothing is silently ignored.
+
+`python -m megazero.config schema` prints the JSON Schema (committed as
+configs/megazero.schema.json), `python -m megazero.config readme-table` the README's key table
+(both made in `megazero.config.schema`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from pydantic import AliasChoices, Field, PrivateAttr, ValidationError, field_validator, model_validator
+
+from megazero.config_fields import (
+    Bool,
+    Float,
+    Int,
+    Section,
+    Str,
+    any_case_choice,
+    config_error,
+    error_message,
+    field_keys,
+    int_choice,
+    section_type,
+    suggest,
+    true_only,
+    validate_given,
+)
+
+
+class ConfigError(ValueError):
+    """A configuration key is unknown, has the wrong type, or holds an invalid value."""
+
+
+class FP16Config(Section):
+    """`fp16`: half precision with a (dynamic by default) loss scale."""
+
+    enabled: Bool = Field(False, description="compute in float16 with fp32 master weights")
+    loss_scale: Float = Field(0.0, ge=0, description="static loss scale; 0 = dynamic loss scaling")
+    initial_scale_power: Int = Field(16, ge=0, le=64, description="dynamic scaling starts at 2**initial_scale_power")
+    loss_scale_window: Int = Field(1000, ge=1, description="clean steps before the dynamic scale doubles")
+    hysteresis: Int = Field(2, ge=1, description="overflows tolerated before the dynamic scale halves")
+    consecutive_hysteresis: Bool = Field(False, description="refill the hysteresis after every clean step")
+    min_loss_scale: Float = Field(1.0, gt=0, description="the dynamic scale never drops below this")
+
+
+class BF16Config(Section):
+    """`bf16` (or DeepSpeed's older `bfloat16`): bfloat16 compute with fp32 master weights and fp32
+    gradient accumulation; giving both spellings is an error unless they are equal (DeepSpeed would
+    read `bf16` and drop `bfloat16` silently)."""
+
+    enabled: Bool = Field(False, description="compute in bfloat16 with fp32 master weights")
+
+
+class ZeroConfig(Section):
+    """`zero_optimization`: stage 0 is plain data parallelism with bucketed all-reduce; stage 1
+    partitions the fp32 master weights and optimizer states; stage 2 the gradients too; stage 3 the
+    16-bit parameters as well."""
+
+    stage: int_choice(0, 1, 2, 3) = Field(
+        0, description="ZeRO stage: 0 (replicated), 1 (optimizer states), 2 (+ gradients), 3 (+ parameters)")
+    reduce_bucket_size: Int = Field(
+        500_000_000, ge=1, description="elements per gradient bucket: a bucket closes at the first parameter "
+                                       "that brings it to this size (at stage 3 buckets span layers)")
+    overlap_comm: Bool = Field(True, description="reduce a bucket during the rest of backward, as soon as it fills "
+                                                 "(false: stages 0-2 reduce after backward, stage 3 waits for "
+                                                 "each bucket as it fills)")
+    stage3_param_persistence_threshold: Int = Field(
+        100_000, ge=0, description="stage 3: parameters smaller than this stay whole on every rank")
+    stage3_prefetch_bucket_size: Int = Field(
+        50_000_000, ge=0, description="stage 3: prefetch the next layer's parameters up to this size (0: off)")
+    contiguous_gradients: true_only("megazero always keeps gradients in contiguous buffers") = Field(
+        True, description="gradient partitions are always one contiguous buffer here (true only)")
+    reduce_scatter: true_only("gradients are always reduce-scattered") = Field(
+        True, description="stages 2-3 always reduce-scatter the gradients (true only)")
+    stage3_gather_16bit_weights_on_model_save: Bool = Field(
+        False, description="save_16bit_model() gathers stage 3's weights (false: it warns and writes nothing)")
+
+
+class TensorBoardConfig(Section):
+    """`tensorboard`: scalars written by rank 0 to output_path/job_name."""
+
+    enabled: Bool = Field(False, description="write TensorBoard scalars")
+    output_path: Str = Field("", description="directory of the event files")
+    job_name: Str = Field("megazero", description="subdirectory of output_path for this run")
+
+
+class WandbConfig(Section):
+    """`wandb`: run by rank 0, offline unless WANDB_API_KEY is set (or WANDB_MODE says otherwise)."""
+
+    enabled: Bool = Field(False, description="log to Weights & Biases (rank 0)")
+    team: Str | None = Field(None, description="the W&B entity")
+    group: Str | None = Field(None, description="the W&B run group")
+    project: Str = Field("megazero", description="the W&B project")
+
+
+class FlopsProfilerConfig(Section):
+    """`flops_profiler`: profile the forward of one step (DeepSpeed's keys); rank 0 prints or writes it."""
+
+    enabled: Bool = Field(False, description="profile one forward")
+    profile_step: Int = Field(1, ge=1, description="the optimizer step (1-based) whose first forward is profiled")
+    module_depth: Int = Field(-1, ge=-1, description="depth of the module tree shown; -1: every depth")
+    top_modules: Int = Field(1, ge=1, description="modules listed per depth, most FLOPs first")
+    detailed: Bool = Field(True, description="print the per-module tree")
+    output_file: Str | None = Field(None, description="write the profile here (null: print on rank 0)")
+
+
+class ActivationCheckpointingConfig(Section):
+    """`activation_checkpointing`: options of megazero.activation_checkpointing.configure
+    (DeepSpeed's keys), with the mpu's tensor-parallel group."""
+
+    partition_activations: Bool = Field(False, description="split each checkpointed input across the TP ranks")
+    cpu_checkpointing: Bool = Field(False, description="keep the (partitioned) checkpoints in CPU memory")
+    contiguous_memory_optimization: Bool = Field(
+        False, description="copy checkpoints into preallocated buffers (needs partitioning and number_checkpoints)")
+    number_checkpoints: Int | None = Field(None, ge=1, description="checkpoints per step: the buffer slots")
+    synchronize_checkpoint_boundary: Bool = Field(
+        False, description="synchronize the device before and after each checkpointed forward and recompute")
+    profile: Bool = Field(False, description="time each checkpointed forward and recompute (rank 0 prints)")
+
+    @model_validator(mode="after")
+    def _contiguous_needs(self) -> ActivationCheckpointingConfig:
+        if self.contiguous_memory_optimization and not self.partition_activations:
+            raise config_error("'{path}' needs '{where}partition_activations' (as in DeepSpeed)",
+                               "contiguous_memory_optimization")
+        if self.contiguous_memory_optimization and not self.number_checkpoints:
+            raise config_error("'{path}' needs '{where}number_checkpoints' (buffer slots)",
+                               "contiguous_memory_optimization")
+        return self
+
+
+TAG_VALIDATION_MODES = ("Warn", "Ignore", "Fail")
+
+
+class CheckpointConfig(Section):
+    """`checkpoint`: how save_checkpoint() and load_checkpoint() treat tags that differ across ranks
+    (DeepSpeed's keys); every rank uses rank 0's tag."""
+
+    tag_validation: any_case_choice(TAG_VALIDATION_MODES) = Field(
+        "WARN", description="Warn names the ranks that differ, Fail raises, Ignore is silent (any case; "
+                            "stored upper-case)")
+
+
+def _optimizers() -> dict:
+    # lazy: megazero.optim imports the builder, which imports this module
+    from megazero.optim.registry import OPTIMIZERS
+
+    return OPTIMIZERS
+
+
+def _schedulers() -> dict:
+    from megazero.optim.lr_schedules import SCHEDULERS  # lazy: it imports torch
+
+    return SCHEDULERS
+
+
+class OptimizerConfig(Section):
+    """`optimizer`: {"type": one of megazero.optim.registry.OPTIMIZERS, "params": {...}}; on CPU the C++
+    op runs Adam, AdamW, Lamb and Adagrad unless `torch_adam: true`."""
+
+    type: Str = Field("AdamW", description="the optimizer, any case")
+    params: dict[str, Any] = Field(default_factory=dict, description="the optimizer's keys (per type, below)")
+
+    @field_validator("type")
+    @classmethod
+    def _known_type(cls, value: str) -> str:
+        optimizers = _optimizers()
+        if value.lower() not in optimizers:
+            raise config_error(f"'{{path}}' {value!r} is not supported{suggest(value.lower(), optimizers)}; "
+                               f"choose one of {', '.join(spec.name for spec in optimizers.values())}")
+        return value
+
+    @field_validator("params")
+    @classmethod
+    def _params_of_type(cls, value: dict, info) -> dict:
+        if "type" not in info.data:  # the type was wrong: that is the error reported
+            return value
+        return validate_given(_optimizers()[info.data["type"].lower()].params, value)
+
+
+class SchedulerConfig(Section):
+    """`scheduler`: {"type": one of megazero.optim.lr_schedules.SCHEDULERS, "params": {...}}, with
+    DeepSpeed's names, parameters and defaults."""
+
+    type: Str = Field("WarmupLR", description="the LR schedule (case-sensitive, as in DeepSpeed)")
+    params: dict[str, Any] = Field(default_factory=dict, description="the schedule's keys (per type, below)")
+
+    @field_validator("type")
+    @classmethod
+    def _known_type(cls, value: str) -> str:
+        schedulers = _schedulers()
+        if value not in schedulers:
+            raise config_error(f"'{{path}}' {value!r} is not a known scheduler{suggest(value, schedulers)}; "
+                               f"choose one of {', '.join(schedulers)}")
+        return value
+
+    @field_validator("params")
+    @classmethod
+    def _params_of_type(cls, value: dict, info) -> dict:
+        if "type" not in info.data:
+            return value
+        return validate_given(_schedulers()[info.data["type"]].params_model, value)
+
+
+class EngineConfig(Section):
+    """The whole engine configuration (DeepSpeed's keys), with the batch-size triad resolved for a
+    data-parallel size by parse_config()."""
+
+    train_batch_size: Int | None = Field(
+        None, ge=1, description="samples per optimizer step over all data-parallel ranks; any two of the triad "
+                                "give the third: train = micro x accumulation x data-parallel size")
+    train_micro_batch_size_per_gpu: Int | None = Field(None, ge=1, description="samples per forward on one rank")
+    gradient_accumulation_steps: Int | None = Field(None, ge=1, description="micro-batches per optimizer step")
+    optimizer: OptimizerConfig | None = Field(None, description="the optimizer built by initialize()")
+    scheduler: SchedulerConfig | None = Field(None, description="the LR schedule built by initialize()")
+    fp16: FP16Config = Field(default_factory=FP16Config, description="float16 compute and loss scaling")
+    bf16: BF16Config = Field(default_factory=BF16Config, validation_alias=AliasChoices("bf16", "bfloat16"),
+                             description="bfloat16 compute ('bfloat16' is DeepSpeed's older spelling)")
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig, description="ZeRO partitioning")
+    gradient_clipping: Float = Field(0.0, ge=0, description="clip the global gradient norm to this; 0 = off")
+    steps_per_print: Int = Field(10, ge=1, description="print progress every this many optimizer steps")
+    wall_clock_breakdown: Bool = Field(False, description="time forward, backward and step (synchronizing)")
+    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig, description="TensorBoard scalars")
+    wandb: WandbConfig = Field(default_factory=WandbConfig, description="Weights & Biases logging")
+    flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig, description="FLOPs profile")
+    activation_checkpointing: ActivationCheckpointingConfig | None = Field(
+        None, description="activation checkpointing options (absent: configure() is not called)")
+    seed: Int | None = Field(None, ge=0, lt=2**32, description="seed python, numpy and torch before building")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="checkpoint tag checks")
+
+    _data_parallel_size: int = PrivateAttr(1)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """The data-parallel size the batch triad was resolved for."""
+        return self._data_parallel_size
+
+    @property
+    def compute_dtype(self):
+        """The dtype the model computes in: float16, bfloat16 or float32."""
+        import torch
+
+        if self.fp16.enabled:
+            return torch.float16
+        if self.bf16.enabled:
+            return torch.bfloat16
+        return torch.float32
+
+    @model_validator(mode="before")
+    @classmethod
+    def _spellings_and_nulls(cls, raw: Any) -> Any:
+        if not isinstance(raw, dict):
+            return raw
+        raw = dict(raw)
+        # `bf16` and `bfloat16` name one block: both only if they agree (DeepSpeed would silently
+        # read `bf16` and drop `bfloat16`)
+        if "bf16" in raw and "bfloat16" in raw:
+            if raw["bf16"] != raw["bfloat16"]:
+                raise config_error(f"'bf16' {json.dumps(raw['bf16'])} and 'bfloat16' {json.dumps(raw['bfloat16'])} "
+                                   f"are both given and disagree; they are one block ('bfloat16' is the old "
+                                   f"spelling): keep one")
+            del raw["bfloat16"]
+        for key, info in cls.model_fields.items():  # a block given as null is the block's defaults
+            for name in field_keys(key, info):
+                if name in raw and raw[name] is None and section_type(info.annotation) is not None:
+                    raw[name] = {}
+        return raw
+
+    @model_validator(mode="after")
+    def _one_precision(self) -> EngineConfig:
+        if self.fp16.enabled and self.bf16.enabled:
+            raise config_error("'fp16.enabled' and 'bf16.enabled' are both true; choose one", "fp16", "enabled")
+        return self
+
+
+def resolve_batch_triad(train: int | None, micro: int | None, accum: int | None, dp: int) -> tuple[int, int, int]:
+    """DeepSpeed's rule: any two of (train, micro, accumulation) give the third; train = micro*accum*dp."""
+    for name, value in (("train_batch_size", train), ("train_micro_batch_size_per_gpu", micro),
+                        ("gradient_accumulation_steps", accum)):
+        if value is not None and value < 1:
+            raise ConfigError(f"'{name}' must be >= 1, got {value}")
+    if train is None and micro is None:
+        raise ConfigError("set 'train_batch_size' or 'train_micro_batch_size_per_gpu' (or both)")
+    if micro is None:
+        accum = accum or 1
+        if train % (accum * dp):
+            raise ConfigError(f"'train_batch_size' {train} is not divisible by gradient_accumulation_steps "
+                              f"{accum} x data-parallel size {dp} = {accum * dp}")
+        micro = train // (accum * dp)
+    elif train is None:
+        accum = accum or 1
+        train = micro * accum * dp
+    elif accum is None:
+        if train % (micro * dp):
+            raise ConfigError(f"'train_batch_size' {train} is not divisible by train_micro_batch_size_per_gpu "
+                              f"{micro} x data-parallel size {dp} = {micro * dp}")
+        accum = train // (micro * dp)
+    if train != micro * accum * dp:
+        raise ConfigError(
+            f"inconsistent batch sizes: train_batch_size {train} != train_micro_batch_size_per_gpu {micro} "
+            f"x gradient_accumulation_steps {accum} x data-parallel size {dp} = {micro * accum * dp}")
+    return train, micro, accum
+
+
+def load_config_source(source: str | os.PathLike | dict) -> dict:
+    """Read a JSON file path or take a dict (copied), returning the raw dict."""
+    if isinstance(source, dict):
+        return json.loads(json.dumps(source))
+    try:
+        with open(source) as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {source}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"config file {source} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {source} must hold a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+def validate_config(raw: dict) -> EngineConfig:
+    """Validate a raw config dict into an EngineConfig (the triad as given, not yet resolved)."""
+    try:
+        return EngineConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(error_message(EngineConfig, e)) from None
+
+
+def parse_config(source: str | os.PathLike | dict, data_parallel_size: int) -> EngineConfig:
+    """Validate a DeepSpeed-style config (path or dict) into an EngineConfig for `data_parallel_size`."""
+    config = validate_config(load_config_source(source))
+    train, micro, accum = resolve_batch_triad(config.train_batch_size, config.train_micro_batch_size_per_gpu,
+                                              config.gradient_accumulation_steps, data_parallel_size)
+    config = config.model_copy(update={"train_batch_size": train, "train_micro_batch_size_per_gpu": micro,
+                                       "gradient_accumulation_steps": accum})
+    config._data_parallel_size = data_parallel_size
+    return config

@@ -1,0 +1,5 @@
+"""`python -m megazero.config schema | readme-table [--write README.md]`: see megazero.config.schema."""
+
+from megazero.config.schema import main
+
+main()
