@@ -25,6 +25,10 @@ calls it with the config's `activation_checkpointing` block):
 Without partitioning, a contiguous buffer, synchronization or profiling, torch's non-reentrant
 checkpoint does the work; the other options use `_StoredInputCheckpoint`, which keeps the inputs
 itself and has a backward of its own to delimit.
+
+Three names, two meanings: this module is activation checkpointing (recomputation);
+`megazero.checkpointing` is only DeepSpeed's name for it (`deepspeed.checkpointing`), an alias with
+these same objects; `megazero.checkpoint` (the package) is training-state checkpoints (save/load).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import torch.utils.checkpoint
 from megazero.profiling.memory import record_activation
 from megazero.tensor_parallel.random import get_rng_tracker
 
+__all__ = ["SYNCHRONIZE_RANGE", "checkpoint", "checkpoint_stats", "configure", "settings"]
 _DEFAULTS = {"partition_activations": False, "cpu_checkpointing": False, "contiguous_memory_optimization": False,
              "number_checkpoints": None, "synchronize": False, "profile": False, "tp_group": None}
 _settings = dict(_DEFAULTS)

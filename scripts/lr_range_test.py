@@ -13,18 +13,17 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 
 import numpy as np
 import torch
+from torch.utils.tensorboard import SummaryWriter
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import megazero
+from megazero import parallel_state, training
+from megazero.data import GPTDataset, IndexedDataset
+from models.gpt import GPTConfig, build_model
 
-import pretrain_gpt  # noqa: E402  (the recipe's builders: model, data, engine config)
-
-import megazero  # noqa: E402
-from megazero import parallel_state  # noqa: E402
-from megazero.data import GPTDataset, IndexedDataset, SentencePieceTokenizer  # noqa: E402
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
 
 def smooth(losses: list[float], beta: float = 0.9) -> np.ndarray:
@@ -57,10 +56,7 @@ def plot(lrs: list[float], losses: list[float], suggestion: float, path: str) ->
     ax.plot(lrs, losses, alpha=0.35, label="loss")
     ax.plot(lrs, smooth(losses), label="smoothed loss")
     ax.axvline(suggestion, color="red", linestyle="--", label=f"suggested max lr {suggestion:.2e}")
-    ax.set_xscale("log")
-    ax.set_xlabel("learning rate")
-    ax.set_ylabel("lm loss")
-    ax.set_title("LR range test")
+    ax.set(xscale="log", xlabel="learning rate", ylabel="lm loss", title="LR range test")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -74,32 +70,30 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--output-dir", default="runs/lr_range_test")
     own, rest = parser.parse_known_args(argv)
-    recipe = pretrain_gpt.parse_args(rest + ["--train-iters", str(own.steps)])
-    return own, recipe
+    recipe = training.recipe_parser(__doc__, model_config=os.path.join(CONFIGS, "gpt2_cpu.json"),
+                                    engine_config_path=os.path.join(CONFIGS, "ds_gpt2_cpu.json"))
+    training.add_sampling_arguments(recipe)  # accepted, as pretrain_gpt.py's flags are, though nothing is sampled
+    return own, recipe.parse_args(rest + ["--train-iters", str(own.steps)])
 
 
 def main(argv=None) -> dict:
     own, args = parse_args(argv)
-    megazero.init_distributed()
-    grid = parallel_state.initialize_model_parallel(args.tensor_model_parallel_size,
-                                                    args.pipeline_model_parallel_size)
-    megazero.set_seed(args.seed)
-    tokenizer = SentencePieceTokenizer(args.tokenizer_model)
-    model = pretrain_gpt.build_model(args, tokenizer.vocab_size, grid)
-    train = GPTDataset(IndexedDataset(args.data_path + "_train_text_document"), model.config.seq_length,
-                       seed=args.seed)
-    config = pretrain_gpt.engine_config(args)
+    _, grid, tokenizer = training.start_run(args)
+    model = build_model(GPTConfig.from_json(args.model_config, vocab_size=tokenizer.vocab_size,
+                                            **training.model_overrides(args)), grid)
+    train = GPTDataset(IndexedDataset(args.data_path + "_train_text_document"), model.config.seq_length, seed=args.seed)
+    config = training.engine_config(args)
     config.pop("tensorboard", None)
     config["scheduler"] = {"type": "LRRangeTest", "params": {
         "lr_range_test_min_lr": own.min_lr, "lr_range_test_step_size": 1,
         "lr_range_test_step_rate": (own.max_lr / own.min_lr - 1) / max(own.steps - 1, 1)}}
-    engine, _, loader, _ = megazero.initialize(model=model, model_parameters=pretrain_gpt.param_groups(model),
+    engine, _, loader, _ = megazero.initialize(model=model, model_parameters=training.param_groups(model),
                                                training_data=train, config=config, mpu=parallel_state)
     data = iter(loader)
     lrs, losses = [], []
     for _ in range(own.steps):
         lr = engine.get_lr()[0]
-        loss = pretrain_gpt.average_across_ranks(engine.train_batch(data).item(), engine.dp_group)
+        loss = training.average_across_ranks(engine.train_batch(data).item(), engine.dp_group)
         lrs.append(lr)
         losses.append(loss)
         if not math.isfinite(loss) or smooth(losses)[-1] > 4 * min(smooth(losses)):
@@ -107,8 +101,6 @@ def main(argv=None) -> dict:
     suggestion = suggest_lr(lrs, losses)
     if engine.global_rank == 0:
         os.makedirs(own.output_dir, exist_ok=True)
-        from torch.utils.tensorboard import SummaryWriter
-
         with SummaryWriter(own.output_dir) as writer:
             for step, (lr, loss) in enumerate(zip(lrs, losses)):
                 writer.add_scalar("lr-range-test/lm loss", loss, step)

@@ -2,349 +2,63 @@
 
 Launch with torchrun (or srun/mpirun); a plain `python` run is world size 1. Resumes from --load
 when it holds a checkpoint. See scripts/pretrain_gpt2.sh for the `make pretrain-gpt2` recipe.
+The flags, the loop and its log lines are megazero/training.py's; this file is the GPT (flags,
+model, data, train): copy it and change the model to pretrain another.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import math
 import os
-import signal
-import sys
-import time
 
-import torch
-import torch.distributed as dist
+from megazero import training
+from megazero.data import GPTDataset, IndexedDataset
+from megazero.profiling import gpt_flops_per_token
+from models.common import count_parameters
+from models.gpt import GPT, GPTConfig, build_model
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-import megazero  # noqa: E402
-from megazero import parallel_state  # noqa: E402
-from megazero.config import load_config_source  # noqa: E402
-from megazero.data import DistributedBatchLoader, GPTDataset, IndexedDataset, SentencePieceTokenizer  # noqa: E402
-from megazero.distributed import all_reduce_values  # noqa: E402
-from megazero.profiling import gpt_flops_per_token, measure_peak_flops  # noqa: E402
-from megazero.profiling.throughput import peak_cache_path  # noqa: E402
-from models.common import count_parameters  # noqa: E402
-from models.gpt import GPT, GPTConfig  # noqa: E402
-from models.gpt import build_model as build_gpt  # noqa: E402
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
 
-def recipe_parser(description: str, model_config: str, engine_config_path: str) -> argparse.ArgumentParser:
-    """Megatron-style flags shared by the GPT and BERT recipes (model size, parallelism, batch,
-    schedule, data, checkpoints, logging, precision) plus the engine config flags."""
-    p = argparse.ArgumentParser(description=description)
-    p.add_argument("--model-config", default=os.path.join(REPO, "configs", model_config))
-    p.add_argument("--num-layers", type=int)
-    p.add_argument("--hidden-size", type=int)
-    p.add_argument("--num-attention-heads", type=int)
-    p.add_argument("--seq-length", type=int)
-    p.add_argument("--dropout", type=float)
-    p.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
-                   help="activation checkpointing: whole layers, or only the attention core")
-    p.add_argument("--recompute-num-layers", type=int, default=None,
-                   help="with full: the first N layers of each pipeline stage")
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    p.add_argument("--sequence-parallel", action="store_true",
-                   help="split LayerNorm/dropout activations along the sequence across tensor-parallel ranks")
-    p.add_argument("--micro-batch-size", type=int, help="overrides train_micro_batch_size_per_gpu")
-    p.add_argument("--global-batch-size", type=int, help="overrides train_batch_size")
-    p.add_argument("--train-iters", type=int, default=500)
-    p.add_argument("--train-minutes", type=float, default=None,
-                   help="stop (saving a checkpoint) after this much training time in this run")
-    p.add_argument("--lr", type=float, help="overrides the optimizer's lr")
-    p.add_argument("--data-path", required=True,
-                   help="prefix P of P_train_text_document and P_valid_text_document (.bin/.idx)")
-    p.add_argument("--tokenizer-model", default=None, help="default: P_tokenizer.model")
-    p.add_argument("--save", default=None)
-    p.add_argument("--load", default=None)
-    p.add_argument("--save-interval", type=int, default=100)
-    p.add_argument("--eval-interval", type=int, default=100)
-    p.add_argument("--eval-iters", type=int, default=20)
-    p.add_argument("--log-interval", type=int, default=10)
-    p.add_argument("--tensorboard-dir", default=None)
-    p.add_argument("--wandb", action="store_true", help="log to wandb (offline unless WANDB_API_KEY is set)")
-    precision = p.add_mutually_exclusive_group()
-    precision.add_argument("--bf16", action="store_true")
-    precision.add_argument("--fp16", action="store_true")
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--peak-flops", type=float, default=None,
-                   help="per-rank peak FLOP/s for MFU (default: measured by a matmul probe)")
-    megazero.add_config_arguments(p)
-    p.set_defaults(megazero_config=os.path.join(REPO, "configs", engine_config_path))
-    return p
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    p = recipe_parser(__doc__, "gpt2_cpu.json", "ds_gpt2_cpu.json")
-    p.add_argument("--sample-prompt", default="ROMEO:\n")
-    p.add_argument("--sample-tokens", type=int, default=120)
-    args = p.parse_args(argv)
-    if args.tokenizer_model is None:
-        args.tokenizer_model = args.data_path + "_tokenizer.model"
-    return args
-
-
-def engine_config(args: argparse.Namespace) -> dict:
-    """The engine JSON with the Megatron-style flags applied on top."""
-    config = load_config_source(args.megazero_config)
-    if args.micro_batch_size is not None:
-        config["train_micro_batch_size_per_gpu"] = args.micro_batch_size
-    if args.global_batch_size is not None:
-        config["train_batch_size"] = args.global_batch_size
-    if args.lr is not None:
-        config.setdefault("optimizer", {"type": "AdamW", "params": {}}).setdefault("params", {})["lr"] = args.lr
-        scheduler = config.get("scheduler", {})
-        if scheduler.get("type") in ("WarmupLR", "WarmupDecayLR"):
-            scheduler["params"]["warmup_max_lr"] = args.lr
-    if config.get("scheduler", {}).get("type") in ("WarmupDecayLR", "WarmupCosineLR"):
-        config["scheduler"]["params"]["total_num_steps"] = args.train_iters
-    if args.bf16 or args.fp16:
-        config.pop("bfloat16", None)  # the flag decides; the old spelling must not contradict it
-    if args.bf16:
-        config["bf16"] = {"enabled": True}
-        config.pop("fp16", None)
-    if args.fp16:
-        config["fp16"] = {**config.get("fp16", {}), "enabled": True}
-        config.pop("bf16", None)
-    if args.tensorboard_dir:
-        config["tensorboard"] = {"enabled": True, "output_path": args.tensorboard_dir, "job_name": ""}
-    if args.wandb:
-        config["wandb"] = {**config.get("wandb", {}), "enabled": True}
-    return config
-
-
-def build_model(args: argparse.Namespace, vocab_size: int, grid) -> GPT:
-    """This rank's part of the GPT from --model-config with the size and parallelism flags applied."""
-    config = GPTConfig.from_json(args.model_config, vocab_size=vocab_size, num_layers=args.num_layers,
-                                 hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-                                 seq_length=args.seq_length, dropout=args.dropout,
-                                 recompute_granularity=args.recompute_granularity,
-                                 recompute_num_layers=args.recompute_num_layers,
-                                 tensor_model_parallel_size=args.tensor_model_parallel_size,
-                                 sequence_parallel=args.sequence_parallel or None)
-    return build_gpt(config, grid)
-
-
-def param_groups(model: torch.nn.Module) -> list[dict]:
-    """Weight decay on matrices only (not on biases, LayerNorm or positions' 1-D params)."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-@torch.no_grad()
-def evaluate(engine, dataset: GPTDataset, micro_batch: int, iters: int) -> float:
-    """Mean loss over the first iters * micro_batch * dp samples of the validation set (all ranks)."""
-    engine.eval()
-    samples = min(len(dataset), iters * micro_batch * engine.dp_world_size)
-    loader = DistributedBatchLoader(dataset, micro_batch, engine.dp_rank, engine.dp_world_size, num_samples=samples)
-    loss_sum, batches = 0.0, 0
-    for batch in loader:
-        loss_sum += engine.eval_batch(batch).double().item()
-        batches += 1
-    loss_sum, batches = all_reduce_values([loss_sum, batches], group=engine.dp_group)
-    engine.train()
-    return loss_sum / batches
-
-
-def average_across_ranks(value: float, group) -> float:
-    """Mean of a float over the data-parallel group."""
-    return all_reduce_values([value], group=group)[0] / dist.get_world_size(group)
-
-
-def sample_text(model: GPT, tokenizer: SentencePieceTokenizer, prompt: str, tokens: int, seed: int) -> str:
-    """A short sampled continuation of `prompt` (temperature 0.8, top-k 40)."""
-    torch.manual_seed(seed)
-    model.eval()
-    ids = torch.tensor([tokenizer.encode(prompt)], dtype=torch.long, device=next(model.parameters()).device)
-    out = model.generate(ids, tokens, temperature=0.8, top_k=40, vocab_size=tokenizer.vocab_size)
-    model.train()
-    return tokenizer.decode(out[0].tolist())
-
-
-def print_sample(model: GPT, tokenizer: SentencePieceTokenizer, args, grid, rank: int) -> None:
-    """Rank 0 prints a sample; under tensor parallelism its TP peers generate alongside (the
-    forward has collectives). A pipelined model is not sampled here (it needs the whole model)."""
-    if grid.pipeline_model_parallel_size > 1:
-        if rank == 0:
-            print("(no sample: the model is split into pipeline stages; scripts/generate.py --load <save dir> "
-                  "samples from the checkpoint, joining the stages)", flush=True)
-        return
-    if grid.dp_rank != 0:
-        return
-    text = sample_text(model, tokenizer, args.sample_prompt, args.sample_tokens, args.seed)
-    if rank == 0:
-        print("----- sample -----\n" + text + "\n------------------", flush=True)
-
-
-class ProgressLog:
-    """Megatron-style console lines and TensorBoard/wandb scalars, every log_interval iterations."""
-
-    def __init__(self, engine, args, flops_per_token: float, peak_flops: float, rank: int):
-        self.engine, self.args, self.rank = engine, args, rank
-        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
-        self.losses: list[float] = []
-        self.window_start = time.perf_counter()
-        self._start_window_counts()
-        self.run_start_iter = engine.global_steps
-        self.run_start = time.perf_counter()
-        self.warned_mfu = False
-
-    def _start_window_counts(self) -> None:
-        self.skipped_before, self.nan_before = self.engine.skipped_steps, self.engine.nan_steps
-
-    def record(self, loss: float) -> None:
-        self.losses.append(loss)
-        it = self.engine.global_steps
-        if it % self.args.log_interval and it != self.args.train_iters:
-            return
-        elapsed = time.perf_counter() - self.window_start
-        iters = len(self.losses)
-        loss_avg = average_across_ranks(sum(self.losses) / iters, self.engine.dp_group)
-        tokens_per_s = iters * self.engine.train_batch_size() * self.args.seq_length / elapsed
-        tflops_per_rank = tokens_per_s * self.flops_per_token / dist.get_world_size() / 1e12
-        mfu = tflops_per_rank * 1e12 / self.peak_flops
-        done = it - self.run_start_iter
-        eta = (time.perf_counter() - self.run_start) / max(done, 1) * (self.args.train_iters - it)
-        # Megatron's per-interval counts: skipped steps, and of those the inf/nan gradients that no
-        # dynamic loss scale explains (fp32, bf16)
-        skipped = self.engine.skipped_steps - self.skipped_before
-        nans = self.engine.nan_steps - self.nan_before
-        if self.rank == 0:
-            grad_norm = self.engine.last_grad_norm or 0.0
-            print(f" iteration {it:6d}/{self.args.train_iters} | consumed samples {self.engine.global_samples:8d} | "
-                  f"elapsed time per iteration (ms): {1000 * elapsed / iters:7.1f} | lm loss: {loss_avg:.4f} | "
-                  f"learning rate: {self.engine.get_lr()[0]:.3e} | loss scale: {self.engine.get_loss_scale():g} | "
-                  f"grad norm: {grad_norm:.3f} | number of skipped iterations: {skipped:3d} | "
-                  f"number of nan iterations: {nans:3d} | "
-                  f"tokens/s: {tokens_per_s:,.0f} | TFLOP/s per rank: {tflops_per_rank:.3f} | MFU: {100 * mfu:.1f}% | "
-                  f"ETA: {eta / 60:.1f} min", flush=True)
-            if mfu > 1 and not self.warned_mfu:  # the cached peak was measured while the machine was busy
-                self.warned_mfu = True
-                print(f"[megazero] MFU above 100%: the matmul peak ({self.peak_flops / 1e9:.1f} GFLOP/s per rank) is "
-                      f"too low; delete {peak_cache_path()} to measure it again on a quiet machine, or pass "
-                      f"--peak-flops", flush=True)
-        self.engine.monitor.write(it, {
-            "lm loss": loss_avg, "learning-rate": self.engine.get_lr()[0],
-            "loss-scale": self.engine.get_loss_scale(), "grad-norm": self.engine.last_grad_norm or 0.0,
-            "skipped-iterations": skipped, "nan-iterations": nans,
-            "iteration-time": elapsed / iters, "throughput/tokens-per-sec": tokens_per_s,
-            "throughput/tflops-per-rank": tflops_per_rank, "throughput/mfu": mfu})
-        self.losses = []
-        self.window_start = time.perf_counter()
-        self._start_window_counts()
-
-
-def run_evaluation(engine, valid: GPTDataset, args, rank: int, unigram: float | None) -> float:
-    """Evaluate, print and log validation loss and perplexity."""
-    loss = evaluate(engine, valid, engine.train_micro_batch_size_per_gpu(), args.eval_iters)
-    it = engine.global_steps
-    if rank == 0:
-        ref = f" (unigram entropy {unigram:.3f})" if unigram is not None else ""
-        print(f" validation at iteration {it} | lm loss: {loss:.4f} | lm loss PPL: {math.exp(loss):.2f}{ref}",
-              flush=True)
-    engine.monitor.write(it, {"lm loss validation": loss, "lm loss validation ppl": math.exp(loss)})
-    engine.monitor.flush()
-    return loss
-
-
-class StopSignal:
-    """Remembers a SIGTERM/SIGUSR1 (Slurm's pre-timeout signal, preemption, scancel) so the loop can
-    save a checkpoint and exit cleanly at the next iteration boundary."""
-
-    def __init__(self, signals=(signal.SIGTERM, signal.SIGUSR1)):
-        self.received: int | None = None
-        for sig in signals:
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        self.received = signum
-
-
-def train_loop(engine, loader, args, log: ProgressLog, stop: StopSignal, rank: int, run_validation):
-    """Train to --train-iters, validating with run_validation() every --eval-interval; returns
-    (last validation loss, why it stopped early or None)."""
-    data_iter = iter(loader)
-    start = time.perf_counter()
-    val_loss, reason = None, None
-    while engine.global_steps < args.train_iters:
-        loss = engine.train_batch(data_iter)
-        log.record(loss.item())
-        it = engine.global_steps
-        out_of_time = args.train_minutes is not None and time.perf_counter() - start > 60 * args.train_minutes
-        # every rank must stop at the same iteration: agree on the flags
-        timed_out, signalled = all_reduce_values([float(out_of_time), float(stop.received is not None)], "max")
-        reason = "signal" if signalled else "time" if timed_out else None
-        paused = time.perf_counter()
-        if reason is None and (it % args.eval_interval == 0 or it == args.train_iters):
-            val_loss = run_validation()
-        if args.save and (it % args.save_interval == 0 or it == args.train_iters or reason):
-            engine.save_checkpoint(args.save, client_state={"iteration": it})
-        log.window_start += time.perf_counter() - paused  # iteration time excludes evaluation and saving
-        if reason == "time" and rank == 0:
-            print(f"time budget of {args.train_minutes} min reached at iteration {it}", flush=True)
-        if reason:
-            break
-    return val_loss, reason
-
-
-def start_run(args: argparse.Namespace):
-    """Threads, process group, model-parallel grid, seed and tokenizer: (rank, grid, tokenizer)."""
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
-    megazero.init_distributed()
-    grid = parallel_state.initialize_model_parallel(args.tensor_model_parallel_size,
-                                                    args.pipeline_model_parallel_size)
-    megazero.set_seed(args.seed)
-    return dist.get_rank(), grid, SentencePieceTokenizer(args.tokenizer_model)
+def parse_args(argv=None):
+    """The shared recipe flags (defaults: the CPU GPT-2 configs) and the end-of-run sample's."""
+    p = training.recipe_parser(__doc__, model_config=os.path.join(CONFIGS, "gpt2_cpu.json"),
+                               engine_config_path=os.path.join(CONFIGS, "ds_gpt2_cpu.json"))
+    training.add_sampling_arguments(p)
+    return p.parse_args(argv)
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    rank, grid, tokenizer = start_run(args)
-    model = build_model(args, tokenizer.vocab_size, grid)
-    if torch.cuda.is_available():
-        model = model.cuda(torch.cuda.current_device())
-    args.seq_length = model.config.seq_length
-    train = GPTDataset(IndexedDataset(args.data_path + "_train_text_document"), args.seq_length, seed=args.seed)
-    valid = GPTDataset(IndexedDataset(args.data_path + "_valid_text_document"), args.seq_length, shuffle=False)
-    engine, _, loader, _ = megazero.initialize(args=args, model=model, model_parameters=param_groups(model),
-                                               training_data=train, config=engine_config(args), mpu=parallel_state)
-    if args.load:
-        path, _ = engine.load_checkpoint(args.load)
-        if path and rank == 0:
-            print(f"resumed from {path} at iteration {engine.global_steps}", flush=True)
+    rank, grid, tokenizer = training.start_run(args)
+
+    # the model: --model-config with the size, recompute and parallelism flags; this rank's part of it
+    config = GPTConfig.from_json(args.model_config, vocab_size=tokenizer.vocab_size, **training.model_overrides(args))
+    model = build_model(config, grid)
+    args.seq_length = config.seq_length
+    num_params = count_parameters(GPT, config)
+    flops = gpt_flops_per_token(num_params, config.num_layers, config.hidden_size, args.seq_length)
+
+    # the data: P_train/P_valid_text_document, and the unigram entropy validation is compared with
+    train_data = GPTDataset(IndexedDataset(args.data_path + "_train_text_document"), args.seq_length, seed=args.seed)
+    valid_data = GPTDataset(IndexedDataset(args.data_path + "_valid_text_document"), args.seq_length, shuffle=False)
     stats_path = args.data_path + "_stats.json"
     unigram = json.load(open(stats_path)).get("unigram_entropy_nats") if os.path.exists(stats_path) else None
-    peak = args.peak_flops or measure_peak_flops(engine.config.compute_dtype, seconds=0.3,
-                                                 device=next(model.parameters()).device)
-    num_params = count_parameters(GPT, model.config)
-    flops = gpt_flops_per_token(num_params, model.config.num_layers, model.config.hidden_size, args.seq_length)
-    if rank == 0:
-        print(f"GPT: {num_params:,} parameters, {dist.get_world_size()} ranks = TP {grid.tensor_model_parallel_size}"
-              f" x PP {grid.pipeline_model_parallel_size} x DP {grid.data_parallel_size}, "
-              f"batch {engine.train_batch_size()} = {engine.train_micro_batch_size_per_gpu()} x "
-              f"{engine.gradient_accumulation_steps()} x {engine.dp_world_size}, {engine.config.compute_dtype}, "
-              f"peak {peak / 1e9:.1f} GFLOP/s per rank", flush=True)
-    stop = StopSignal()
-    val_loss, reason = train_loop(engine, loader, args, ProgressLog(engine, args, flops, peak, rank), stop, rank,
-                                  lambda: run_evaluation(engine, valid, args, rank, unigram))
-    if reason == "signal":
-        if rank == 0:
-            print(f"received {signal.Signals(stop.received).name}: checkpoint saved at iteration "
-                  f"{engine.global_steps}, exiting", flush=True)
-    elif val_loss is None:
-        val_loss = run_evaluation(engine, valid, args, rank, unigram)
-    if reason != "signal":
-        print_sample(model, tokenizer, args, grid, rank)
-    engine.monitor.close()
-    result = {"iteration": engine.global_steps, "val_loss": val_loss, "unigram_entropy": unigram}
-    dist.barrier()
-    dist.destroy_process_group()
-    return result
+
+    def validate(engine) -> float:
+        return training.run_evaluation(engine, valid_data, args, rank, unigram)
+
+    def finish(engine, val_loss: float | None, reason: str | None) -> dict:
+        """A last validation when none ran, then a sample (neither after a preemption signal)."""
+        if reason != "signal":
+            if val_loss is None:
+                val_loss = validate(engine)
+            training.print_sample(model, tokenizer, args, grid, rank)
+        return {"iteration": engine.global_steps, "val_loss": val_loss, "unigram_entropy": unigram}
+
+    return training.train(args, model, train_data, grid=grid, name="GPT", num_params=num_params,
+                          flops_per_token=flops, validate=validate, finish=finish,
+                          details=lambda peak: f"peak {peak / 1e9:.1f} GFLOP/s per rank")
 
 
 if __name__ == "__main__":

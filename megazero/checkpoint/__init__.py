@@ -1,4 +1,5 @@
-"""Checkpoints: atomic, pickle-free files and the engine's state in them."""
+"""Training-state checkpoints: atomic, pickle-free files and the engine's state in them (activation
+checkpointing, the recomputation, is megazero/activation_checkpointing.py)."""
 
 from megazero.checkpoint.io import (
     CheckpointError,

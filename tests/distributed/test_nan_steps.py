@@ -8,22 +8,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import os
-import sys
 
 import pytest
 
 from tests.training_helpers import TINY, base_config, build_engine
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 POISONED = (1, 4)  # micro-steps whose loss is multiplied by nan: iterations 2 and 5
 PRECISIONS = {"fp32": {}, "bf16": {"bf16": {"enabled": True}},
               "fp16": {"fp16": {"enabled": True, "initial_scale_power": 8}}}
 
 
 def _poisoned_run(prefix: str, tb_dir: str, precision: str) -> dict:
-    sys.path.insert(0, os.path.join(REPO, "scripts"))
-    import pretrain_gpt
+    from megazero.training import ProgressLog
 
     config = base_config(tensorboard={"enabled": True, "output_path": tb_dir, "job_name": "run"},
                          **PRECISIONS[precision])
@@ -31,7 +27,7 @@ def _poisoned_run(prefix: str, tb_dir: str, precision: str) -> dict:
     args = argparse.Namespace(log_interval=2, train_iters=6, seq_length=TINY["seq_length"])
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        log = pretrain_gpt.ProgressLog(engine, args, 1.0, 1.0, engine.global_rank)
+        log = ProgressLog(engine, args, 1.0, 1.0, engine.global_rank)
         data = iter(loader)
         for step in range(6):
             loss = engine(**next(data))

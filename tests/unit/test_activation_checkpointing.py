@@ -108,3 +108,10 @@ def test_deepspeed_module_name():
 
     assert megazero.checkpointing.checkpoint is ac.checkpoint
     assert megazero.checkpointing.configure is ac.configure
+    # an alias exactly: every public object of the implementation, the same object, and nothing else
+    assert megazero.checkpointing.__all__ == ac.__all__
+    for name in ac.__all__:
+        assert getattr(megazero.checkpointing, name) is getattr(ac, name), name
+    public = {name for name, value in vars(ac).items() if not name.startswith("_") and callable(value)
+              and getattr(value, "__module__", None) == ac.__name__}
+    assert public <= set(ac.__all__), sorted(public - set(ac.__all__))

@@ -106,15 +106,12 @@ def test_bf16_and_bfloat16_agreeing_is_one_block():
 
 def test_recipe_precision_flag_replaces_either_spelling(tmp_path):
     """--bf16/--fp16 decide the precision even over an engine JSON with the old `bfloat16` block."""
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
-    import pretrain_gpt
+    from megazero.training import engine_config, recipe_parser
 
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"train_batch_size": 8, "bfloat16": {"enabled": False}}))
     for flag, expected in (("--bf16", (True, False)), ("--fp16", (False, True))):
-        args = pretrain_gpt.parse_args(["--data-path", "unused", flag, "--deepspeed_config", str(path)])
-        config = parse_config(pretrain_gpt.engine_config(args), 1)
+        args = recipe_parser("", "unused.json", "unused.json").parse_args(
+            ["--data-path", "unused", flag, "--deepspeed_config", str(path)])
+        config = parse_config(engine_config(args), 1)
         assert (config.bf16.enabled, config.fp16.enabled) == expected
