@@ -28,6 +28,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -61,11 +62,15 @@ class Check:
         log = os.path.join(self.out_dir, step.replace(" ", "_") + ".log")
         start = time.monotonic()
         with open(log, "w") as f:
+            # a session of its own: on a timeout the step's whole process group goes (the ranks
+            # a multi-rank step spawned too, which would otherwise hold their GPUs)
+            proc = subprocess.Popen(argv, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                    env={**os.environ, "PYTHONPATH": REPO, "PYTHONUNBUFFERED": "1", **(env or {})})
             try:
-                rc = subprocess.run(argv, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=timeout,
-                                    env={**os.environ, "PYTHONPATH": REPO, "PYTHONUNBUFFERED": "1", **(env or {})}
-                                    ).returncode
+                rc = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
                 rc = None
         return rc, time.monotonic() - start
 
