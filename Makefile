@@ -15,7 +15,7 @@ BERT_STAMP := $(BERT_PREFIX)_train_text_sentence.idx
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install data data-bert pretrain-gpt2 pretrain-bert test test-fast lint bench check-cuda clean
+.PHONY: install data data-bert pretrain-gpt2 pretrain-bert test test-fast lint bench check-cuda check-gpu clean
 
 install: $(INSTALL_STAMP)
 
@@ -88,6 +88,15 @@ check-cuda:
 	@if .venv-cuda/bin/python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then \
 		.venv-cuda/bin/python -m pytest -q -m cuda tests/ops tests/unit/test_peak_flops.py && .venv-cuda/bin/python benchmarks/gpu_ops.py; \
 	else echo "no GPU here: compiled only"; fi
+
+# The prepared GPU check (scripts/check_gpu.py): builds the ops, runs the `cuda` tests, engine steps
+# on the GPU (fused kernels on/off; ZeRO 0-3 over NCCL against gloo), benchmarks/gpu_ops.py and
+# GPT-2 124M's tokens/s and MFU, in at most 8 minutes on one GPU, then prints a pass/fail table.
+# It installs nothing (a GPU machine often reaches no package index): GPU_PYTHON is a python with
+# a CUDA torch, by default .venv-cuda's (made by check-cuda) where there is one, else python3.
+GPU_PYTHON ?= $(if $(wildcard .venv-cuda/bin/python),.venv-cuda/bin/python,python3)
+check-gpu:
+	PYTHONUNBUFFERED=1 $(GPU_PYTHON) scripts/check_gpu.py $(ARGS)
 
 clean:
 	rm -rf checkpoints runs wandb benchmarks/results .pytest_cache

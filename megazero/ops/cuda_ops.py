@@ -3,7 +3,10 @@ and causal softmax, bias + GeLU (tanh), and multi-tensor Adam/AdamW and LAMB opt
 
 Every public function takes the fused path only for CUDA tensors of a supported dtype and size when
 the op is built (a CUDA build of torch and nvcc); otherwise it runs the reference, so callers never
-need to check. `fused_available()` says which path is taken. Tests compare the two on a GPU.
+need to check. `fused_available()` says which path is taken. Tests compare the two on a GPU. On
+the fused path the inputs are checked first (kernel_checks.py): empty inputs take the reference
+(no launch of 0 blocks), and inputs no path could take (e.g. a mask on another device) raise a
+`KernelInputError` naming the tensor before anything is launched.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megazero.ops import kernel_checks
 from megazero.ops.builder import load_op
 from megazero.ops.cpu_optimizers import FusedCPUAdam, FusedCPULamb
 
@@ -28,6 +32,11 @@ def cuda_op():
 def fused_available(*tensors: torch.Tensor) -> bool:
     """True when these tensors would take the fused CUDA path."""
     return all(t.is_cuda and t.dtype in _DTYPES for t in tensors) and cuda_op() is not None
+
+
+def _on_fused_device(x: torch.Tensor) -> bool:
+    """x is a CUDA tensor and the op is built: the other inputs are then checked against x."""
+    return x.is_cuda and cuda_op() is not None
 
 
 # ---- references ----------------------------------------------------------------------------------
@@ -97,28 +106,29 @@ class _BiasGelu(torch.autograd.Function):
 
 def layer_norm(x, weight, bias, eps: float = 1e-5) -> torch.Tensor:
     """LayerNorm over the last dimension (fused on CUDA)."""
-    if fused_available(x, weight, bias) and x.dtype == weight.dtype:
+    if _on_fused_device(x) and kernel_checks.layer_norm_takes_kernel(x, weight, bias):
         return _LayerNorm.apply(x, weight, bias, eps)
     return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
 
 
 def scaled_masked_softmax(scores, mask, scale: float = 1.0) -> torch.Tensor:
-    """softmax(scale * scores) over [batch, heads, sq, sk], mask [batch, 1, sq, sk] (true = masked)."""
-    if fused_available(scores) and scores.dim() == 4 and scores.shape[-1] <= SOFTMAX_MAX_COLUMNS:
+    """softmax(scale * scores) over [batch, heads, sq, sk]; the bool mask (true = masked) broadcasts
+    to the scores: [batch, 1, sq, sk], [batch, 1, 1, sk], [sq, sk], ..."""
+    if _on_fused_device(scores) and kernel_checks.softmax_takes_kernel(scores, mask, SOFTMAX_MAX_COLUMNS):
         return _Softmax.apply(scores, mask, scale, False)
     return softmax_reference(scores, mask, scale, False)
 
 
 def scaled_upper_triang_masked_softmax(scores, scale: float = 1.0) -> torch.Tensor:
     """Causal softmax(scale * scores) over [batch, heads, sq, sk] (position j > i masked)."""
-    if fused_available(scores) and scores.dim() == 4 and scores.shape[-1] <= SOFTMAX_MAX_COLUMNS:
+    if _on_fused_device(scores) and kernel_checks.softmax_takes_kernel(scores, None, SOFTMAX_MAX_COLUMNS):
         return _Softmax.apply(scores, None, scale, True)
     return softmax_reference(scores, None, scale, True)
 
 
 def bias_gelu(x, bias) -> torch.Tensor:
     """gelu_tanh(x + bias) (fused on CUDA)."""
-    if fused_available(x, bias) and x.dtype == bias.dtype:
+    if _on_fused_device(x) and kernel_checks.bias_gelu_takes_kernel(x, bias):
         return _BiasGelu.apply(x, bias)
     return F.gelu(x + bias, approximate="tanh")
 
@@ -140,26 +150,45 @@ class _CUDAMixin:
             for p, c in zip(params, copies):
                 c.copy_(p.view_as(c))
 
+    def _launch_lists(self, params, grads):
+        """The group's non-empty (params, grads, exp_avgs, exp_avg_sqs), checked before the launch
+        (empty lists: nothing to launch)."""
+        states = [self.state[p]["exp_avg"] for p in params], [self.state[p]["exp_avg_sq"] for p in params]
+        keep = kernel_checks.optimizer_tensors(type(self).__name__, params, grads, *states)
+        return [[x[t] for t in keep] for x in (params, grads, *states)]
+
+    def _scale_args(self, device: torch.device) -> tuple[float, torch.Tensor | None]:
+        """(host divisor, device divisor or None): a one-element CUDA `grad_scale` on the
+        parameters' device is read by the kernels themselves, so the step needs no host sync."""
+        scale = self.grad_scale
+        if isinstance(scale, torch.Tensor) and scale.device == device and scale.numel() == 1:
+            return 1.0, scale.reshape(1).float()
+        return self._scale(), None
+
 
 class FusedCUDAAdam(_CUDAMixin, FusedCPUAdam):
-    """FusedCPUAdam's semantics in one multi-tensor CUDA launch per param group."""
+    """FusedCPUAdam's semantics in multi-tensor CUDA launches (per param group, one per gradient
+    dtype and 64 tensors)."""
 
     def _op_step(self, group, params, grads, copies, step: int) -> None:
         beta1, beta2 = group["betas"]
-        self.op.multi_tensor_adam(params, grads, [self.state[p]["exp_avg"] for p in params],
-                                  [self.state[p]["exp_avg_sq"] for p in params], group["lr"], beta1, beta2,
-                                  group["eps"], group["weight_decay"], step, group["adamw_mode"],
-                                  group["bias_correction"], self._scale())
+        tensors = self._launch_lists(params, grads)
+        if tensors[0]:
+            self.op.multi_tensor_adam(*tensors, group["lr"], beta1, beta2, group["eps"], group["weight_decay"], step,
+                                      group["adamw_mode"], group["bias_correction"],
+                                      *self._scale_args(tensors[0][0].device))
         self._write_after(params, copies)
 
 
 class FusedCUDALamb(_CUDAMixin, FusedCPULamb):
-    """FusedCPULamb's semantics: moments and per-tensor norms in one launch, the update in another."""
+    """FusedCPULamb's semantics: moments with per-block norm partials, per-tensor trust ratios, then
+    the update (three launches per gradient dtype and 64 tensors of a group)."""
 
     def _op_step(self, group, params, grads, copies, step: int) -> None:
         beta1, beta2 = group["betas"]
-        self.op.multi_tensor_lamb(params, grads, [self.state[p]["exp_avg"] for p in params],
-                                  [self.state[p]["exp_avg_sq"] for p in params], group["lr"], beta1, beta2,
-                                  group["eps"], group["weight_decay"], step, group["bias_correction"],
-                                  group["max_coeff"], group["min_coeff"], self._scale())
+        tensors = self._launch_lists(params, grads)
+        if tensors[0]:
+            self.op.multi_tensor_lamb(*tensors, group["lr"], beta1, beta2, group["eps"], group["weight_decay"], step,
+                                      group["bias_correction"], group["max_coeff"], group["min_coeff"],
+                                      *self._scale_args(tensors[0][0].device))
         self._write_after(params, copies)
