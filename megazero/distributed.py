@@ -158,3 +158,16 @@ def all_reduce_values(values: list[float], op: str = "sum", group=None) -> list[
         ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
         dist.all_reduce(t, op=ops[op], group=group)
     return t.tolist()
+
+
+def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum a tensor over `group`, leaving it on the device (no read-back: the caller reads it once);
+    under NCCL a CPU tensor is first moved to the current GPU, where NCCL needs it."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return t
+    if dist.get_backend(group) == "nccl" and t.device.type != "cuda":
+        t = t.to(torch.device("cuda", torch.cuda.current_device()))
+    else:
+        t = t.clone()  # the caller's tensor stays as it was
+    dist.all_reduce(t, group=group)
+    return t

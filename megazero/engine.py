@@ -208,8 +208,14 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         self.timers("optimizer").start()
         self.dp.attach_grads()
         if divisor != 1.0 and self._optimizer_unscales:
-            # torch's fused Adam divides by grad_scale inside its own pass: no extra pass over the grads
-            self.optimizer.grad_scale = torch.tensor(divisor, dtype=torch.float32, device=self.device)
+            # the optimizer divides by grad_scale inside its own pass: no extra pass over the grads.
+            # megazero's ops take a float (fp32-rounded, as torch's fused Adam's tensor is): a tensor
+            # on the GPU would be read back, a host sync; torch's fused Adam wants a tensor on the
+            # device, made by a fill kernel (no host-to-device copy to wait for)
+            if getattr(self.optimizer, "supports_grad_scale", False):
+                self.optimizer.grad_scale = torch.tensor(divisor, dtype=torch.float32).item()
+            else:
+                self.optimizer.grad_scale = torch.full((), divisor, dtype=torch.float32, device=self.device)
         elif divisor != 1.0:
             self.dp.scale_gradients(1.0 / divisor)
         self.optimizer.step()
@@ -251,14 +257,15 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         """
         if self.is_pipelined:
             return self._train_batch_pipelined(data_iter)
-        total = 0.0
+        total = None
         for _ in range(self.gradient_accumulation_steps()):
             batch = self.to_device(next(data_iter))
             loss = self(**batch) if isinstance(batch, dict) else self(*batch)
             self.backward(loss)
             self.step()
-            total += loss.detach().float().item()
-        return torch.tensor(total / self.gradient_accumulation_steps())
+            value = loss.detach().float().double()  # summed where it is: no host sync per micro-batch
+            total = value if total is None else total + value
+        return (total / self.gradient_accumulation_steps()).float().cpu()
 
     def _train_batch_pipelined(self, data_iter) -> torch.Tensor:
         """train_batch() through the 1F1B schedule: every stage reads the same micro-batches; the
