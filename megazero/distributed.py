@@ -67,22 +67,70 @@ def detect_launch_env(env: dict | None = None) -> LaunchEnv:
     return LaunchEnv(0, 1, 0, addr, port, "none")
 
 
+BACKEND_ENV = "MEGAZERO_DIST_BACKEND"  # e.g. gloo: tests on a GPU host, CPU runs beside a GPU job
+
+
+def select_device_index(local_rank: int, device_count: int) -> int:
+    """The GPU (an index among the visible ones) a rank uses: local_rank % device_count.
+
+    Under `srun --gpus-per-task=1` or `--gpu-bind`, each rank sees only its own GPU(s), as index 0
+    up, while its local rank counts the node's tasks; with more ranks than visible GPUs, ranks
+    share them in turn. Either way the local rank alone is not a valid device ordinal."""
+    if device_count < 1:
+        raise ValueError(f"select_device_index: no visible GPU (device_count {device_count}) for local rank "
+                         f"{local_rank}")
+    if local_rank < 0:
+        raise ValueError(f"select_device_index: local rank must be >= 0, got {local_rank}")
+    return local_rank % device_count
+
+
+def training_device(local_rank: int | None = None, device_count: int | None = None) -> torch.device:
+    """Where this rank trains: cuda:(local_rank % device_count) when there is a GPU, else the CPU.
+    local_rank defaults to the launcher's, device_count to the GPUs this process sees."""
+    if device_count is None:
+        device_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device_count == 0:
+        return torch.device("cpu")
+    if local_rank is None:
+        local_rank = detect_launch_env().local_rank
+    return torch.device("cuda", select_device_index(local_rank, device_count))
+
+
+def resolve_backend(dist_backend: str | None = None, env: dict | None = None,
+                    cuda_available: bool | None = None) -> str:
+    """The process-group backend: `dist_backend` if given, else $MEGAZERO_DIST_BACKEND, else NCCL
+    when CUDA is available and gloo otherwise. Asking for NCCL without CUDA is an error."""
+    env = os.environ if env is None else env
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    backend = dist_backend or env.get(BACKEND_ENV, "") or ("nccl" if cuda_available else "gloo")
+    backend = backend.strip().lower()
+    if backend == "nccl" and not cuda_available:
+        source = "dist_backend" if dist_backend else BACKEND_ENV if env.get(BACKEND_ENV) else "the default"
+        raise ValueError(f"backend 'nccl' (from {source}) needs CUDA, but torch.cuda.is_available() is False; "
+                         f"use 'gloo' (e.g. {BACKEND_ENV}=gloo)")
+    return backend
+
+
 def default_backend() -> str:
-    """NCCL when CUDA is available, gloo otherwise."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    """$MEGAZERO_DIST_BACKEND if set, else NCCL when CUDA is available, gloo otherwise."""
+    return resolve_backend()
 
 
 def init_distributed(dist_backend: str | None = None, timeout: datetime.timedelta | float = 1800.0,
                      init_method: str | None = None) -> LaunchEnv:
     """Initialise the default process group from the launcher's environment (no-op if already done).
 
-    A single process with no launcher variables becomes world size 1. `timeout` (seconds or a
-    timedelta) bounds every collective, so a dead rank makes the others fail instead of hang.
+    The backend is `dist_backend`, else $MEGAZERO_DIST_BACKEND, else NCCL on a CUDA host (gloo
+    otherwise); under NCCL the current GPU becomes training_device()'s (local rank modulo the
+    visible GPUs). A single process with no launcher variables becomes world size 1. `timeout`
+    (seconds or a timedelta) bounds every collective, so a dead rank makes the others fail
+    instead of hang.
     """
     launch = detect_launch_env()
     if dist.is_initialized():
         return launch
-    backend = dist_backend or default_backend()
+    backend = resolve_backend(dist_backend)
     if not isinstance(timeout, datetime.timedelta):
         timeout = datetime.timedelta(seconds=float(timeout))
     for key, value in (("RANK", launch.rank), ("WORLD_SIZE", launch.world_size),
@@ -90,7 +138,7 @@ def init_distributed(dist_backend: str | None = None, timeout: datetime.timedelt
                        ("MASTER_PORT", launch.master_port)):
         os.environ.setdefault(key, str(value))
     if backend == "nccl":
-        torch.cuda.set_device(launch.local_rank)
+        torch.cuda.set_device(training_device(launch.local_rank))
     if launch.launcher == "none" and init_method is None:
         # a lone process needs no rendezvous (and must not collide on a port with other jobs)
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
@@ -110,3 +158,16 @@ def all_reduce_values(values: list[float], op: str = "sum", group=None) -> list[
         ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
         dist.all_reduce(t, op=ops[op], group=group)
     return t.tolist()
+
+
+def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum a tensor over `group`, leaving it on the device (no read-back: the caller reads it once);
+    under NCCL a CPU tensor is first moved to the current GPU, where NCCL needs it."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return t
+    if dist.get_backend(group) == "nccl" and t.device.type != "cuda":
+        t = t.to(torch.device("cuda", torch.cuda.current_device()))
+    else:
+        t = t.clone()  # the caller's tensor stays as it was
+    dist.all_reduce(t, group=group)
+    return t

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from megazero.config import EngineConfig
 from megazero.engine_api import DeepSpeedEngineAPI
 from megazero.monitor import Monitor
-from megazero.optim.protocol import takes_grad_scale, writes_copies
+from megazero.optim.protocol import GradScaleTaker, takes_grad_scale, writes_copies
 from megazero.parallel_state import ParallelGrid
 from megazero.precision import LossScaler
 from megazero.profiling.memory import ActivationMeter
@@ -82,6 +82,9 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         # what the optimizer can do in its own pass (megazero.optim.protocol): unscale/clip (torch's
         # fused Adam, megazero's ops) and write the 16-bit model copy while updating each master
         self._optimizer_unscales = takes_grad_scale(optimizer)
+        # decided once: the engine sets grad_scale on torch's fused Adam too, which would then look
+        # like a GradScaleTaker
+        self._grad_scale_as_float = isinstance(optimizer, GradScaleTaker)
         self._optimizer_writes_copies = False
         targets = dp_state.copy_targets() if writes_copies(optimizer) else {}
         masters = [p for group in optimizer.param_groups for p in group["params"]]
@@ -208,8 +211,14 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         self.timers("optimizer").start()
         self.dp.attach_grads()
         if divisor != 1.0 and self._optimizer_unscales:
-            # the optimizer divides by grad_scale inside its own pass: no extra pass over the grads
-            self.optimizer.grad_scale = torch.tensor(divisor, dtype=torch.float32, device=self.device)
+            # the optimizer divides by grad_scale inside its own pass: no extra pass over the grads.
+            # megazero's ops take a float (fp32-rounded, as torch's fused Adam's tensor is): a tensor
+            # on the GPU would be read back, a host sync; torch's fused Adam wants a tensor on the
+            # device, made by a fill kernel (no host-to-device copy to wait for)
+            if self._grad_scale_as_float:
+                self.optimizer.grad_scale = torch.tensor(divisor, dtype=torch.float32).item()
+            else:
+                self.optimizer.grad_scale = torch.full((), divisor, dtype=torch.float32, device=self.device)
         elif divisor != 1.0:
             self.dp.scale_gradients(1.0 / divisor)
         self.optimizer.step()
@@ -252,14 +261,15 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         """
         if self.is_pipelined:
             return self._train_batch_pipelined(data_iter)
-        total = 0.0
+        total = None
         for _ in range(self.gradient_accumulation_steps()):
             batch = self.to_device(next(data_iter))
             loss = self(**batch) if isinstance(batch, dict) else self(*batch)
             self.backward(loss)
             self.step()
-            total += loss.detach().float().item()
-        return torch.tensor(total / self.gradient_accumulation_steps())
+            value = loss.detach().float().double()  # summed where it is: no host sync per micro-batch
+            total = value if total is None else total + value
+        return (total / self.gradient_accumulation_steps()).float().cpu()
 
     def _train_batch_pipelined(self, data_iter) -> torch.Tensor:
         """train_batch() through the 1F1B schedule: every stage reads the same micro-batches; the

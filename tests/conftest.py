@@ -11,6 +11,10 @@ import pytest
 
 from tests.process_pool import ProcessPool
 
+# every process group the tests start (here, in the pools, in the recipes and launchers they run)
+# is gloo, also on a GPU host: NCCL would need one GPU per rank, which a 1-GPU machine lacks
+os.environ.setdefault("MEGAZERO_DIST_BACKEND", "gloo")
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORPUS_PREFIX = os.path.join(REPO, "data", "gpt2", "shakespeare")
 

@@ -5,7 +5,8 @@ step one pass over memory; an optimizer opts in to each by having its members (t
 below), and the engine asks through `takes_grad_scale` and `writes_copies`, nothing else:
 
 - `GradScaleTaker`: the optimizer divides every gradient by `grad_scale` inside step(). The
-  engine sets it (a 0-dim fp32 tensor: loss scale times the clipping factor) just before step()
+  engine sets it (loss scale times the clipping factor: a float for a GradScaleTaker, a 0-dim
+  fp32 tensor on the device for torch's fused Adam, which never declares it) just before step()
   and resets it to None after; None means 1. Without it, the engine first multiplies the
   gradients by 1 / divisor in a separate pass. torch's own fused Adam/AdamW reads `grad_scale`
   the same way, so it counts too (`fused=True`).

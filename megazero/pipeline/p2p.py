@@ -1,17 +1,121 @@
 """Point-to-point exchange of activations and their gradients between neighbouring stages.
 
-Every message is a small shape header followed by the tensor, both with isend/irecv, so it works
-the same on gloo and NCCL and the receiver needs no prior knowledge of the shape. The combined
-operations post their send and their receive before waiting on either, so two neighbours that
-send to each other at the same moment (1F1B's steady state) cannot deadlock.
+Every message is a small shape header followed by the tensor, so the receiver needs no prior
+knowledge of the shape. Each step posts its operations with `batch_isend_irecv`: the headers in one
+batch, then the tensors in the next. On NCCL a batch is one group, in which a send and a receive
+between the same two ranks progress together. Outside a group, NCCL's sends between a pair share a
+stream, and a send blocks until the peer's matching receive runs: two neighbours that each queued
+send-then-receive (1F1B's steady state) would wait on each other once an activation outgrows
+NCCL's buffering. The 1F1B schedule exchanges symmetrically on each link (when one neighbour sends
+an output and receives a gradient, the other sends that gradient and receives the next output), so
+both sides post the same header batch and then the same tensor batch.
+
+gloo's sends never block, which hides such a dependence. Strict mode (MEGAZERO_P2P_STRICT=1, or
+`set_strict(True)`) shows it on gloo: a send is posted only once the peer has posted the matching
+receive (a flag per message through the default process group's store), so an exchange that
+relies on a send completing before the peer's receive is posted fails with an error naming both
+ranks, instead of passing on gloo and hanging on NCCL.
 """
 
 from __future__ import annotations
+
+import datetime
+import os
+from collections import Counter
 
 import torch
 import torch.distributed as dist
 
 _MAX_DIMS = 8
+STRICT_ENV = "MEGAZERO_P2P_STRICT"
+STRICT_TIMEOUT_ENV = "MEGAZERO_P2P_STRICT_TIMEOUT"  # seconds a strict send waits for its receive (default 60)
+_strict_override: bool | None = None
+
+
+def set_strict(enabled: bool | None) -> None:
+    """Turn strict mode on or off for this process (None: follow $MEGAZERO_P2P_STRICT again)."""
+    global _strict_override
+    _strict_override = enabled
+
+
+def strict_mode() -> bool:
+    """Whether sends wait for the peer's receive to be posted (see the module docstring)."""
+    if _strict_override is not None:
+        return _strict_override
+    return os.environ.get(STRICT_ENV, "") == "1"
+
+
+class _ReceivePostedFlags:
+    """Strict mode's handshake: message n from src to dst (global ranks) may be sent once dst has
+    posted its receive, which dst announces by setting a store key. Both sides count the messages
+    of each direction (a pair's messages are matched in order), so the keys agree; the sender
+    deletes each key it consumed."""
+
+    def __init__(self):
+        self.store = None
+        self.sent: Counter = Counter()
+        self.received: Counter = Counter()
+
+    def _current_store(self):
+        store = dist.distributed_c10d._get_default_store()
+        if store is not self.store:  # a new process group: its messages are counted afresh
+            self.store, self.sent, self.received = store, Counter(), Counter()
+        return store
+
+    @staticmethod
+    def _key(src: int, dst: int, n: int) -> str:
+        return f"megazero/p2p-strict/{src}->{dst}/{n}"
+
+    def receive_posted(self, src: int, dst: int) -> None:
+        """dst has posted its receive of src's next message."""
+        store = self._current_store()
+        n = self.received[(src, dst)]
+        self.received[(src, dst)] += 1
+        store.set(self._key(src, dst, n), "1")
+
+    def wait_for_receive(self, src: int, dst: int) -> None:
+        """Block until dst has posted its receive of src's next message."""
+        store = self._current_store()
+        n = self.sent[(src, dst)]
+        key = self._key(src, dst, n)
+        seconds = float(os.environ.get(STRICT_TIMEOUT_ENV, "60"))
+        try:
+            store.wait([key], datetime.timedelta(seconds=seconds))
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"strict p2p: rank {src}'s message {n} to rank {dst} waited {seconds:g}s for rank {dst} to "
+                f"post its receive: this exchange needs a send to complete before the peer's receive is "
+                f"posted, which deadlocks on NCCL") from e
+        self.sent[(src, dst)] += 1  # only once sent: a refused send leaves the counts in step
+        store.delete_key(key)
+
+
+_FLAGS = _ReceivePostedFlags()
+
+
+def post(ops: list[dist.P2POp]) -> list:
+    """Post one batch of sends and receives; returns their works (wait on all of them).
+
+    Normally `batch_isend_irecv` (one NCCL group). In strict mode the receives are posted first
+    and announced, then each send waits until its peer has announced the matching receive."""
+    if not strict_mode():
+        return dist.batch_isend_irecv(ops)
+    me = dist.get_rank()
+    works = []
+    for op in ops:
+        if op.op is dist.irecv:
+            works.append(dist.irecv(op.tensor, op.peer, group=op.group, tag=op.tag))
+            _FLAGS.receive_posted(op.peer, me)
+    for op in ops:
+        if op.op is dist.isend:
+            _FLAGS.wait_for_receive(me, op.peer)
+            works.append(dist.isend(op.tensor, op.peer, group=op.group, tag=op.tag))
+    return works
+
+
+def _wait(works: list) -> None:
+    for work in works:
+        work.wait()
 
 
 class StageLinks:
@@ -36,27 +140,40 @@ class StageLinks:
     def _header(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.dim() > _MAX_DIMS:
             raise ValueError(f"pipeline messages support up to {_MAX_DIMS} dimensions, got {tensor.dim()}")
-        header = torch.zeros(_MAX_DIMS + 1, dtype=torch.int64, device=self.device)
-        header[0] = tensor.dim()
-        header[1:1 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-        return header
+        values = [tensor.dim(), *tensor.shape] + [0] * (_MAX_DIMS - tensor.dim())
+        return torch.tensor(values, dtype=torch.int64).to(self.device)  # one host-to-device copy
 
-    def _isend(self, tensor: torch.Tensor, peer: int) -> list:
+    def _empty_header(self) -> torch.Tensor:
+        return torch.empty(_MAX_DIMS + 1, dtype=torch.int64, device=self.device)
+
+    def _tensor_for(self, header: torch.Tensor) -> torch.Tensor:
+        values = header.tolist()  # one device-to-host copy: the shape decides the allocation
+        return torch.empty(values[1:1 + values[0]], dtype=self.dtype, device=self.device)
+
+    def _op(self, op, tensor: torch.Tensor, peer: int) -> dist.P2POp:
+        return dist.P2POp(op, tensor, peer, self.group)
+
+    def _send(self, tensor: torch.Tensor, peer: int) -> None:
         tensor = tensor.detach().contiguous()
-        return [dist.isend(self._header(tensor), peer, group=self.group), dist.isend(tensor, peer, group=self.group)]
+        _wait(post([self._op(dist.isend, self._header(tensor), peer)]))
+        _wait(post([self._op(dist.isend, tensor, peer)]))
 
     def _recv(self, peer: int) -> torch.Tensor:
-        header = torch.empty(_MAX_DIMS + 1, dtype=torch.int64, device=self.device)
-        dist.recv(header, peer, group=self.group)
-        shape = header[1:1 + int(header[0])].tolist()
-        tensor = torch.empty(shape, dtype=self.dtype, device=self.device)
-        dist.recv(tensor, peer, group=self.group)
+        header = self._empty_header()
+        _wait(post([self._op(dist.irecv, header, peer)]))
+        tensor = self._tensor_for(header)
+        _wait(post([self._op(dist.irecv, tensor, peer)]))
         return tensor
 
-    @staticmethod
-    def _wait(works: list) -> None:
-        for work in works:
-            work.wait()
+    def _exchange(self, tensor: torch.Tensor, peer: int) -> torch.Tensor:
+        """Send `tensor` to `peer` while receiving one from it: the two headers in one batch, then
+        the two tensors in the next (the peer does the same exchange, mirrored)."""
+        tensor = tensor.detach().contiguous()
+        header = self._empty_header()
+        _wait(post([self._op(dist.isend, self._header(tensor), peer), self._op(dist.irecv, header, peer)]))
+        received = self._tensor_for(header)
+        _wait(post([self._op(dist.isend, tensor, peer), self._op(dist.irecv, received, peer)]))
+        return received
 
     def recv_forward(self) -> torch.Tensor:
         """The previous stage's output (this stage's input), as a leaf that will receive a gradient."""
@@ -64,7 +181,7 @@ class StageLinks:
 
     def send_forward(self, output: torch.Tensor) -> None:
         """Send this stage's output to the next stage."""
-        self._timed(lambda: self._wait(self._isend(output, self.next)))
+        self._timed(self._send, output, self.next)
 
     def recv_backward(self) -> torch.Tensor:
         """The gradient of this stage's output, from the next stage."""
@@ -72,7 +189,7 @@ class StageLinks:
 
     def send_backward(self, input_grad: torch.Tensor) -> None:
         """Send the gradient of this stage's input to the previous stage."""
-        self._timed(lambda: self._wait(self._isend(input_grad, self.prev)))
+        self._timed(self._send, input_grad, self.prev)
 
     def send_forward_recv_backward(self, output: torch.Tensor) -> torch.Tensor:
         """Send the output on while receiving the gradient of an earlier output."""
@@ -81,9 +198,3 @@ class StageLinks:
     def send_backward_recv_forward(self, input_grad: torch.Tensor) -> torch.Tensor:
         """Send an input gradient back while receiving the next input."""
         return self._timed(self._exchange, input_grad, self.prev).requires_grad_()
-
-    def _exchange(self, tensor: torch.Tensor, peer: int) -> torch.Tensor:
-        works = self._isend(tensor, peer)  # posted before the receive: neighbours never wait on each other
-        received = self._recv(peer)
-        self._wait(works)
-        return received

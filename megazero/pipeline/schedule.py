@@ -5,6 +5,12 @@ backward until every forward is done, then the remaining backwards (cool-down). 
 micro-batches' activations are alive at once, and backwards run in micro-batch order, so the
 gradient-accumulation boundary is the last backward. The idle fraction of each stage (the
 bubble) is (p - 1) / (m + p - 1).
+
+On each link the neighbours' calls mirror each other: stage s's warm-up sends meet stage s + 1's
+receives, each send_forward_recv_backward of s meets a send_backward_recv_forward of s + 1, and
+the cool-down receives of s meet the sends of s + 1. That is what lets StageLinks post every
+exchange as two batches (headers, then tensors) without a send waiting on a receive the peer has
+not posted (tests/distributed/test_pipeline_p2p.py runs the schedule in p2p's strict mode).
 """
 
 from __future__ import annotations

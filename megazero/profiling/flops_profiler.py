@@ -115,6 +115,28 @@ def _row_parallel_bias(module: RowParallelLinear, out) -> int:
 _MODULE_RULES: dict[type, Callable] = {RowParallelLinear: _row_parallel_bias}
 
 
+def device_synchronizer(devices) -> Callable[[], None] | None:
+    """What a module's timer must call before reading the clock so that its latency covers the
+    module's work, not just its kernel launches: torch.cuda.synchronize on each CUDA device among
+    `devices` (CUDA runs asynchronously); None when every device is the CPU."""
+    cuda = sorted({torch.device(d) for d in devices if torch.device(d).type == "cuda"},
+                  key=lambda d: -1 if d.index is None else d.index)
+    if not cuda:
+        return None
+
+    def synchronize() -> None:
+        for device in cuda:
+            torch.cuda.synchronize(device)
+    return synchronize
+
+
+def _model_devices(model: nn.Module) -> set[torch.device]:
+    devices = {t.device for t in (*model.parameters(), *model.buffers())}
+    if not devices and torch.cuda.is_available() and torch.cuda.is_initialized():
+        devices = {torch.device("cuda", torch.cuda.current_device())}  # no tensors of its own: maybe its inputs'
+    return devices
+
+
 class _Stats:
     def __init__(self):
         self.flops = 0
@@ -135,6 +157,7 @@ class FlopsProfiler:
         self._hooks: list = []
         self._entry: dict[int, tuple[int, int, float]] = {}
         self._ignored_depth = 0  # > 0 while an ignored module runs
+        self._synchronize: Callable[[], None] | None = None  # set per profile from the model's devices
         self.active = False
 
     # ---- counting -----------------------------------------------------------------------------
@@ -151,18 +174,24 @@ class FlopsProfiler:
             return out
         return counted
 
+    def _clock(self) -> float:
+        if self._synchronize is not None:  # the kernels queued so far belong to what came before
+            self._synchronize()
+        return time.perf_counter()
+
     def _pre(self, module, args) -> None:
-        self._entry[id(module)] = (self.flops, self.macs, time.perf_counter())
+        self._entry[id(module)] = (self.flops, self.macs, self._clock())
 
     def _post(self, module, args, out) -> None:
         rule = _MODULE_RULES.get(type(module))
         if rule is not None:
             self._count(rule(module, out), 0)
-        flops, macs, start = self._entry.pop(id(module), (self.flops, self.macs, time.perf_counter()))
+        now = self._clock()
+        flops, macs, start = self._entry.pop(id(module), (self.flops, self.macs, now))
         stats = self.stats.setdefault(module, _Stats())
         stats.flops += self.flops - flops
         stats.macs += self.macs - macs
-        stats.latency += time.perf_counter() - start
+        stats.latency += now - start
         stats.calls += 1
 
     def _enter_ignored(self, module, args) -> None:
@@ -197,6 +226,7 @@ class FlopsProfiler:
             self._originals[(owner, name)] = getattr(owner, name)
             setattr(owner, name, self._wrap(getattr(owner, name), rule))
         self._hook_modules(ignore_list)
+        self._synchronize = device_synchronizer(_model_devices(self.model))
         self._ignored_depth = 0
         self.active = True
 

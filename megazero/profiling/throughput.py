@@ -43,14 +43,22 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def matmul_precision(device_type: str, dtype: torch.dtype) -> str:
+    """The dtype as the peak depends on it: on a GPU, fp32 matmuls run on the tensor cores (TF32)
+    when torch allows it, at several times the plain fp32 peak, so the setting is part of it."""
+    if device_type == "cuda" and dtype == torch.float32:
+        return f"{dtype} tf32={'on' if torch.backends.cuda.matmul.allow_tf32 else 'off'}"
+    return str(dtype)
+
+
 def machine_key(device: torch.device, dtype: torch.dtype, size: int) -> str:
-    """What a measured peak depends on: the GPU's name, or the CPU model and this process's threads;
-    the torch version (its BLAS), the dtype and the matrix size."""
+    """What a measured peak depends on: the device type and the GPU's name, or the CPU model and
+    this process's threads; the torch version (its BLAS), the dtype (and TF32) and the matrix size."""
     if device.type == "cuda":
         where = f"cuda {torch.cuda.get_device_name(device)}"
     else:
         where = f"cpu {cpu_model()} x{torch.get_num_threads()} threads"
-    return f"{where}|torch {torch.__version__}|{dtype}|{size}"
+    return f"{where}|torch {torch.__version__}|{matmul_precision(device.type, dtype)}|{size}"
 
 
 def _read_cache(path: str) -> dict:

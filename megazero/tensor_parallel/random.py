@@ -31,57 +31,91 @@ def _device_of_default() -> str:
     return "cuda" if torch.cuda.is_available() and torch.cuda.is_initialized() else "cpu"
 
 
-def _get_state(device: str) -> torch.Tensor:
-    return torch.cuda.get_rng_state() if device == "cuda" else torch.get_rng_state()
+def _forked_kinds() -> tuple[str, ...]:
+    """The generators a forward can draw from now: the CPU's, and the current GPU's once CUDA is
+    initialised (a forward on the GPU has initialised it)."""
+    return ("cpu", "cuda") if _device_of_default() == "cuda" else ("cpu",)
 
 
-def _set_state(state: torch.Tensor, device: str) -> None:
-    if device == "cuda":
-        torch.cuda.set_rng_state(state)
-    else:
-        torch.set_rng_state(state)
+def _generator(kind: str) -> torch.Generator:
+    return torch.default_generator if kind == "cpu" else torch.cuda.default_generators[torch.cuda.current_device()]
+
+
+def _seeded_state(kind: str, seed: int) -> torch.Tensor:
+    """The state of `kind`'s generator right after manual_seed(seed) (made on the side)."""
+    return torch.Generator(device=kind).manual_seed(seed).get_state()
 
 
 class RNGStatesTracker:
-    """Named RNG states, each swapped into the default generator inside fork(name)."""
+    """Named RNG states, each swapped into the default generators inside fork(name).
+
+    A state is its seed plus one generator state per device kind ("cpu", "cuda": the current GPU),
+    each made from the seed the first time a fork draws on that kind. So the tracker does not
+    depend on whether CUDA was initialised when add() ran: seeded before the model moved to the
+    GPU, fork() still swaps the GPU's generator, and the GPU's dropout draws from the per-TP-rank
+    stream (as if the state had been seeded on the GPU at add()).
+    """
+
+    _SEP = "/"  # get_states() keys: "<name>/seed", "<name>/cpu", "<name>/cuda"
 
     def __init__(self):
-        self.states: dict[str, torch.Tensor] = {}
-        self.device = "cpu"
+        self.seeds: dict[str, int] = {}
+        self.states: dict[str, dict[str, torch.Tensor]] = {}  # name -> {device kind: generator state}
 
     def reset(self) -> None:
         """Forget every state."""
-        self.states = {}
+        self.seeds, self.states = {}, {}
 
     def add(self, name: str, seed: int) -> None:
-        """A new state `name` seeded with `seed` (the default generator is left as it was)."""
-        self.device = _device_of_default()
-        saved = _get_state(self.device)
-        torch.manual_seed(seed) if self.device == "cpu" else torch.cuda.manual_seed(seed)
-        self.states[name] = _get_state(self.device)
-        _set_state(saved, self.device)
+        """A new state `name` seeded with `seed` (the default generators are left as they were)."""
+        if self._SEP in name:
+            raise ValueError(f"RNG tracker state names may not contain {self._SEP!r}, got {name!r}")
+        self.seeds[name] = int(seed)
+        self.states[name] = {}
 
     def get_states(self) -> dict[str, torch.Tensor]:
-        """Copies of all states (for checkpoints and recomputation)."""
-        return {name: state.clone() for name, state in self.states.items()}
+        """Copies of all states as tensors (for checkpoints and recomputation)."""
+        out = {}
+        for name, seed in self.seeds.items():
+            out[f"{name}{self._SEP}seed"] = torch.tensor(seed, dtype=torch.int64)
+            for kind, state in self.states[name].items():
+                out[f"{name}{self._SEP}{kind}"] = state.clone()
+        return out
 
     def set_states(self, states: dict[str, torch.Tensor]) -> None:
-        """Restore states taken by get_states()."""
-        self.states = {name: state.clone() for name, state in states.items()}
+        """Restore states taken by get_states() (or, from older checkpoints, {name: CPU state})."""
+        self.reset()
+        for key, value in states.items():
+            name, _, field = key.rpartition(self._SEP)
+            if not name:  # the older format: a name's CPU generator state, which holds its seed
+                name, field = key, "cpu"
+                self.seeds.setdefault(name, torch.Generator().set_state(value).initial_seed())
+            if field == "seed":
+                self.seeds[name] = int(value)
+            else:
+                self.states.setdefault(name, {})[field] = value.clone()
+            self.states.setdefault(name, {})
 
     @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG):
-        """Run the block drawing random numbers from state `name` (a no-op if it was never added)."""
-        if name not in self.states:
+        """Run the block drawing random numbers from state `name`, on the CPU and on the current GPU
+        (once CUDA is initialised); a no-op if the state was never added."""
+        if name not in self.seeds:
             yield
             return
-        saved = _get_state(self.device)
-        _set_state(self.states[name], self.device)
+        kinds, states = _forked_kinds(), self.states[name]
+        for kind in kinds:
+            if kind not in states:
+                states[kind] = _seeded_state(kind, self.seeds[name])
+        saved = {kind: _generator(kind).get_state() for kind in kinds}
+        for kind in kinds:
+            _generator(kind).set_state(states[kind])
         try:
             yield
         finally:
-            self.states[name] = _get_state(self.device)
-            _set_state(saved, self.device)
+            for kind in kinds:
+                states[kind] = _generator(kind).get_state()
+                _generator(kind).set_state(saved[kind])
 
 
 _TRACKER = RNGStatesTracker()

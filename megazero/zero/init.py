@@ -6,6 +6,13 @@ Under `Init`, a module's parameters are partitioned over the data-parallel ranks
 children's weights, while no rank ever holds more than one module's subtree whole. Each rank
 keeps only its chunk of each parameter; the stage-3 engine later regroups the chunks unit by unit.
 Code that changes parameters after that must do it inside `GatheredParameters(params, modifier_rank=r)`.
+
+Where the partitions live (`partition_device`): `Init(device=...)` if given; else, under NCCL, the
+GPU this rank trains on (`megazero.distributed.training_device`: local rank modulo the visible
+GPUs), so a model built on the CPU is partitioned straight onto its GPU; else (gloo) where each
+parameter was built. The emptied parameters sit on that device too, so the model reports the
+device it will train on. Moving the model afterwards (`model.cuda()`, `.to(dtype)`) moves only the
+empty parameters; each chunk follows its parameter when the stage-3 engine makes it whole again.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import functools
 import torch
 import torch.distributed as dist
 
+from megazero.distributed import training_device
 from megazero.zero.collectives import all_gather_chunks
 
 
@@ -26,41 +34,69 @@ def _all_subclasses(cls: type) -> set[type]:
     return out
 
 
-def _shard_param(p: torch.nn.Parameter, group) -> None:
-    """Keep this rank's chunk of `p` (padded to a multiple of the world size); empty p's data."""
+def partition_device(backend: str, device: torch.device | str | None = None, local_rank: int | None = None,
+                     device_count: int | None = None) -> torch.device | None:
+    """Where zero.Init keeps a rank's chunks: `device` if given; under NCCL the rank's training GPU
+    (cuda:(local_rank % device_count); defaults: the launcher's local rank, the visible GPUs);
+    otherwise None: each chunk stays on the device its parameter was built on."""
+    if device is not None:
+        return torch.device(device)
+    if backend != "nccl":
+        return None
+    if device_count is None:
+        device_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device_count == 0:
+        raise RuntimeError("zero.Init: the data-parallel group is NCCL but this process sees no GPU; pass "
+                           "Init(device=...)")
+    return training_device(local_rank, device_count)
+
+
+def _shard_param(p: torch.nn.Parameter, group, device: torch.device | None = None) -> None:
+    """Keep this rank's chunk of `p` (padded to a multiple of the world size) on `device` (None:
+    p's own); p becomes an empty tensor there."""
     if hasattr(p, "_megazero_init_chunk"):
         return
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    device = p.device if device is None else device
     chunk = -(-p.numel() // world)
     # only this rank's slice is copied: no padded copy of the whole parameter, even for a moment
     mine = p.detach().reshape(-1)[rank * chunk:(rank + 1) * chunk]
-    p._megazero_init_chunk = torch.zeros(chunk, dtype=p.dtype, device=p.device)
+    p._megazero_init_chunk = torch.zeros(chunk, dtype=p.dtype, device=device)
     p._megazero_init_chunk[:mine.numel()] = mine
     p._megazero_init_shape = p.shape
     p._megazero_init_group = group
-    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    p.data = torch.empty(0, dtype=p.dtype, device=device)
 
 
 def materialize_init_shard(p: torch.nn.Parameter, group) -> None:
-    """Make a parameter partitioned by Init whole again (all-gather its chunks), in p's current dtype."""
+    """Make a parameter partitioned by Init whole again (all-gather its chunks) on the device and in
+    the dtype the (empty) parameter has now: Init's, or wherever the model was moved since."""
     chunk = getattr(p, "_megazero_init_chunk", None)
     if chunk is None:
         return
+    shape = p._megazero_init_shape
+    device = p.device
+    if dist.get_backend(group) == "nccl" and device.type != "cuda":
+        raise RuntimeError(f"zero.Init: a parameter of shape {tuple(shape)} is on {device}, but its NCCL group "
+                           f"gathers only CUDA tensors: build under Init(device=<the GPU>) or move the model "
+                           f"to the GPU before initialize()")
     world = dist.get_world_size(group)
-    flat = torch.empty(chunk.numel() * world, dtype=chunk.dtype, device=chunk.device)
+    flat = torch.empty(chunk.numel() * world, dtype=chunk.dtype, device=device)
     flat.view(world, -1)[dist.get_rank(group)].copy_(chunk)
     all_gather_chunks(flat, group).wait()
-    shape = p._megazero_init_shape
     p.data = flat[:shape.numel()].view(shape).to(p.dtype)
     del p._megazero_init_chunk, p._megazero_init_shape, p._megazero_init_group
 
 
 class Init:
-    """Context manager: modules built inside are partitioned over `data_parallel_group` as they are built."""
+    """Context manager: modules built inside are partitioned over `data_parallel_group` as they are
+    built, each rank's chunks on `device` (default: see partition_device; `self.device` once entered)."""
 
-    def __init__(self, data_parallel_group=None, enabled: bool = True):
+    def __init__(self, data_parallel_group=None, enabled: bool = True, device: torch.device | str | None = None):
         self.group = data_parallel_group
         self.enabled = enabled
+        self.requested_device = device
+        self.device: torch.device | None = None
         self._patched: list[tuple[type, object]] = []
         self._built: list[torch.nn.Module] = []
 
@@ -69,6 +105,7 @@ class Init:
             return self
         if not dist.is_initialized():
             raise RuntimeError("zero.Init needs torch.distributed initialised (megazero.init_distributed())")
+        self.device = partition_device(dist.get_backend(self.group), self.requested_device)
         for cls in _all_subclasses(torch.nn.Module):
             if "__init__" in cls.__dict__:
                 original = cls.__dict__["__init__"]
@@ -88,7 +125,7 @@ class Init:
             if depth == 0:  # the most-derived __init__ is done: partition the children's subtrees
                 for child in module.children():
                     for p in child.parameters():
-                        _shard_param(p, self.group)
+                        _shard_param(p, self.group, self.device)
                 self._built.append(module)
         return init
 
@@ -99,7 +136,7 @@ class Init:
         if exc[0] is None:
             for module in self._built:  # the outermost modules' own parameters
                 for p in module.parameters():
-                    _shard_param(p, self.group)
+                    _shard_param(p, self.group, self.device)
         self._built.clear()
 
 

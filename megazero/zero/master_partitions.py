@@ -7,7 +7,7 @@ import bisect
 import torch
 import torch.distributed as dist
 
-from megazero.distributed import all_reduce_values
+from megazero.distributed import all_reduce_sum
 
 
 class MasterPartitions:
@@ -21,17 +21,17 @@ class MasterPartitions:
     def grad_norm(self, counted=None, model_parallel_group=None) -> float:
         """Global L2 norm of the (loss-scaled) gradients, summed over every rank's partitions (and
         over the model-parallel group, counting only parameters for which counted(p) is true)."""
-        local = 0.0
+        local = SquaredNormSum()
         for part in self.parts:
             if counted is None:
-                local += sum(squared_norm(g) for g in part.grad_views)
+                local.add(part.grad_views)
             else:
                 for view, start, numel in counted_slices(part, counted):
-                    local += squared_norm(part.grad_views[view][start:start + numel])
-        total = all_reduce_values([local], group=self.group)
+                    local.add([part.grad_views[view][start:start + numel]])
+        total = all_reduce_sum(local.total(), group=self.group)
         if model_parallel_group is not None:
-            total = all_reduce_values(total, group=model_parallel_group)
-        return total[0] ** 0.5
+            total = all_reduce_sum(total, group=model_parallel_group)
+        return total.item() ** 0.5  # the step's one host sync: it decides skip and clip
 
     def sync_grads(self, params: list[torch.nn.Parameter], group) -> None:
         """Sum the reduced gradients of `params` over `group` (tied weights on other pipeline stages).
@@ -109,3 +109,41 @@ def squared_norm(t: torch.Tensor) -> float:
 
         return grad_norm_squared([t])
     return float(torch.linalg.vector_norm(t)) ** 2
+
+
+class SquaredNormSum:
+    """Adds up squared L2 norms of gradient tensors (inf/nan propagate) without reading any back:
+    CPU tensors by squared_norm (the fused one-pass kernel) into a float, GPU tensors with one
+    fused norm kernel per add() into a float64 scalar on their device; total() joins the two."""
+
+    def __init__(self):
+        self.cpu = 0.0
+        self.on_device: torch.Tensor | None = None
+        self._has_cpu = False
+
+    def add(self, tensors: list[torch.Tensor]) -> None:
+        """Add the squared norms of `tensors`."""
+        cpu = [t for t in tensors if t.device.type == "cpu"]
+        if cpu:
+            self.cpu += sum(squared_norm(t) for t in cpu)
+            self._has_cpu = True
+        other = [t for t in tensors if t.device.type != "cpu"]
+        if other:
+            part = squared_norms_on_device(other)
+            self.on_device = part if self.on_device is None else self.on_device + part
+
+    def total(self) -> torch.Tensor:
+        """The sum as a float64 scalar, on the GPU when any tensor was there (else the CPU)."""
+        if self.on_device is None:
+            return torch.tensor(self.cpu, dtype=torch.float64)
+        if not self._has_cpu:
+            return self.on_device
+        # a fill kernel takes the float as an argument: no host-to-device copy to wait for
+        return self.on_device + torch.full((), self.cpu, dtype=torch.float64, device=self.on_device.device)
+
+
+def squared_norms_on_device(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Sum of the tensors' squared L2 norms as a float64 scalar where they are: one fused norm
+    kernel (each norm in the tensor's dtype, as torch's vector norm), squared and summed in float64."""
+    norms = torch.stack(torch._foreach_norm(tensors)).double()
+    return (norms * norms).sum()

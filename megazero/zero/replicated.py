@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megazero.distributed import all_reduce_values
+from megazero.distributed import all_reduce_sum
 from megazero.precision import MasterParams
 from megazero.zero.buckets import BucketedGradients
 from megazero.zero.collectives import Handle, all_reduce
 from megazero.zero.layout import FlatLayout
-from megazero.zero.master_partitions import squared_norm
+from megazero.zero.master_partitions import SquaredNormSum
 
 
 class ReplicatedState:
@@ -53,13 +53,15 @@ class ReplicatedState:
         """Global L2 norm of the (loss-scaled) gradients; inf/nan on overflow. Every data-parallel rank
         holds the whole reduced gradient; with model parallelism the parameters for which counted(p)
         is true are summed over the model-parallel group."""
+        local = SquaredNormSum()
         if counted is None:
-            local = squared_norm(self.grads.buffer)
+            local.add([self.grads.buffer])
         else:
-            local = sum(squared_norm(self.grads.grad(p)) for p in self.layout.params if counted(p))
+            local.add([self.grads.grad(p) for p in self.layout.params if counted(p)])
+        total = local.total()
         if model_parallel_group is not None:
-            local = all_reduce_values([local], group=model_parallel_group)[0]
-        return local ** 0.5
+            total = all_reduce_sum(total, group=model_parallel_group)
+        return total.item() ** 0.5  # the step's one host sync: it decides skip and clip
 
     def sync_grads(self, params: list[torch.nn.Parameter], group) -> None:
         """Sum the reduced gradients of `params` over `group` (tied weights on other pipeline stages)."""

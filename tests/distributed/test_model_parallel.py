@@ -86,6 +86,34 @@ def test_layout_matches_single_process(pools, reference, token_dataset_prefix_mo
     assert reference["losses"][-1] < reference["losses"][0]
 
 
+def _train_strict_p2p(*args) -> dict:
+    """train(*args) with the pipeline's sends posted only once the peer has posted its receive."""
+    from megazero.pipeline import p2p
+
+    p2p.set_strict(True)
+    try:
+        return train(*args)
+    finally:
+        p2p.set_strict(None)
+
+
+PIPELINE_LAYOUTS = [x for x in LAYOUTS if x[2][1] > 1]
+
+
+@pytest.mark.parametrize("name,world,layout,overrides,stage,micro", PIPELINE_LAYOUTS,
+                         ids=[x[0] for x in PIPELINE_LAYOUTS])
+def test_pipeline_layout_matches_single_process_in_strict_p2p_mode(pools, reference, token_dataset_prefix_module,
+                                                                   name, world, layout, overrides, stage, micro):
+    """test_layout_matches_single_process's pipeline layouts, in p2p strict mode (tests/distributed/
+    test_pipeline_p2p.py): no exchange relies on a send completing before the peer's receive."""
+    results = pools(world).run(_train_strict_p2p, _config(stage, micro), token_dataset_prefix_module, STEPS, 0, None,
+                               None, None, {**NO_DROPOUT, **overrides}, layout)
+    for rank_result in results:
+        _assert_losses(reference["losses"], rank_result["losses"], LOSS_RTOL)
+        for key, value in reference["params"].items():
+            torch.testing.assert_close(rank_result["params"][key], value, rtol=0, atol=PARAM_ATOL, msg=key)
+
+
 @pytest.mark.parametrize("name,world,layout,overrides,stage,micro", GRADIENT_LAYOUTS,
                          ids=[x[0] for x in GRADIENT_LAYOUTS])
 def test_gradients_match_single_process(pools, reference_gradients, token_dataset_prefix_module, name, world,

@@ -12,6 +12,7 @@ import megazero
 from megazero.data import GPTDataset, IndexedDataset
 from megazero.profiling.memory import current_rss_bytes
 from megazero.zero import GatheredParameters, Init
+from megazero.zero.init import partition_device
 from models.gpt import GPT, GPTConfig
 from tests.process_pool import ProcessPool
 from tests.training_helpers import TINY, base_config, global_mean
@@ -115,3 +116,37 @@ def test_init_never_holds_the_whole_model():
         assert result["growth"] < bound, {k: v / 2**20 for k, v in result.items()}
     for result in measured[False]:  # the same measurement sees the whole model without Init
         assert result["growth"] > 0.9 * result["full"], (result["growth"] / 2**20, result["full"] / 2**20)
+
+
+# ---- where the partitions live ---------------------------------------------------------------
+@pytest.mark.parametrize("local_rank, device_count, index", [(0, 8, 0), (5, 8, 5), (3, 1, 0), (5, 4, 1)])
+def test_under_nccl_partitions_go_to_the_ranks_training_gpu(local_rank, device_count, index):
+    from megazero.distributed import training_device
+
+    device = partition_device("nccl", local_rank=local_rank, device_count=device_count)
+    assert device == torch.device("cuda", index) == training_device(local_rank, device_count)
+
+
+def test_an_explicit_device_wins_and_gloo_keeps_where_each_parameter_was_built():
+    assert partition_device("nccl", "cpu", local_rank=3, device_count=4) == torch.device("cpu")
+    assert partition_device("gloo", "cuda:1") == torch.device("cuda", 1)
+    assert partition_device("gloo") is None
+    with pytest.raises(RuntimeError, match="NCCL but this process sees no GPU"):
+        partition_device("nccl", local_rank=0, device_count=0)
+
+
+def _init_placement(device) -> dict:
+    megazero.set_seed(0)
+    init = Init(device=device)
+    with init:
+        model = GPT(GPTConfig(**TINY))
+    params = list(model.parameters())
+    return {"device": init.device, "chunks": {str(p._megazero_init_chunk.device) for p in params},
+            "params": {str(p.device) for p in params}, "empty": all(p.numel() == 0 for p in params)}
+
+
+def test_init_keeps_its_chunks_and_emptied_parameters_on_the_device_it_chose(pools):
+    for result in pools(2).run(_init_placement, "cpu"):
+        assert result == {"device": torch.device("cpu"), "chunks": {"cpu"}, "params": {"cpu"}, "empty": True}
+    for result in pools(2).run(_init_placement, None):  # gloo: where each parameter was built
+        assert result == {"device": None, "chunks": {"cpu"}, "params": {"cpu"}, "empty": True}

@@ -243,3 +243,17 @@ def test_engine_profiles_the_configured_step(tmp_path):
         assert out.exists() == (step >= 1), "only step 2's forward is profiled"
     macs = standalone.print_model_profile().split("forward MACs: ")[1].split(" |")[0]
     assert f"forward MACs: {macs}" in out.read_text()
+
+
+def test_module_timers_synchronise_exactly_the_cuda_devices():
+    """CUDA runs asynchronously: a module's latency is read after synchronising its devices (else it
+    measures kernel launches); a CPU model needs no synchronisation."""
+    from megazero.profiling.flops_profiler import device_synchronizer
+
+    assert device_synchronizer([torch.device("cpu")]) is None
+    assert device_synchronizer([]) is None
+    assert callable(device_synchronizer([torch.device("cpu"), "cuda:1", torch.device("cuda", 0)]))
+    profiler = FlopsProfiler(torch.nn.Linear(4, 4))
+    profiler.start_profile()
+    assert profiler._synchronize is None
+    profiler.end_profile()

@@ -88,3 +88,17 @@ def test_gpu_peak_is_measured_on_the_gpu(home):
     (key, value), = _entries(peak_cache_path()).items()
     assert key.startswith(f"cuda {torch.cuda.get_device_name()}") and key.endswith("|8192") and value == peak
     assert peak > measure_peak_flops(torch.bfloat16, device="cpu", size=1024, seconds=0.2, cache=False)
+
+
+def test_a_gpus_fp32_peak_is_keyed_by_whether_tf32_is_allowed():
+    allowed = torch.backends.cuda.matmul.allow_tf32
+    try:
+        keys = set()
+        for tf32 in (False, True):
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            keys.add(throughput.matmul_precision("cuda", torch.float32))
+            assert throughput.matmul_precision("cpu", torch.float32) == "torch.float32"
+            assert throughput.matmul_precision("cuda", torch.bfloat16) == "torch.bfloat16"
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allowed
+    assert keys == {"torch.float32 tf32=off", "torch.float32 tf32=on"}
