@@ -24,8 +24,9 @@ import torch.nn.functional as F
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from megazero.ops import cuda_ops  # noqa: E402
 from megazero.optim.lamb import Lamb  # noqa: E402
+
+from megazero.ops import cuda_ops  # noqa: E402
 
 HIDDEN, HEADS, SEQ, MICRO, LAYERS, VOCAB = 1600, 25, 1024, 8, 48, 50304  # GPT-2 XL (vocab padded)
 
