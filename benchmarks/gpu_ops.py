@@ -4,7 +4,7 @@ optimizers over GPT-2 XL's parameter shapes (1.56 B parameters; --layers fewer f
 
 Rows: LayerNorm (F.layer_norm) forward and forward + backward; masked and causal softmax
 (masked_fill + torch.softmax) forward; bias + GeLU (F.gelu tanh) forward and forward + backward;
-multi-tensor Adam (torch.optim.AdamW(fused=True)) and LAMB (megazero.optim.lamb.Lamb, pure torch)
+multi-tensor Adam (torch.optim.AdamW(fused=True)) and LAMB (FusedCPULamb's pure-torch reference path, use_op=False)
 steps. Each: correct (megazero against the fp32 reference, fp32 1e-5 and 16-bit 1e-2 relative;
 the optimizers against torch's after one step), megazero ms, torch ms, speed-up, effective GB/s
 and the fraction of the device's bandwidth measured by a large copy. Prints a table and writes
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from megazero.optim.lamb import Lamb  # noqa: E402
+from megazero.ops.cpu_optimizers import FusedCPULamb  # noqa: E402
 
 from megazero.ops import cuda_ops  # noqa: E402
 
@@ -161,7 +161,7 @@ def optimizer_rows(table: Table, layers: int) -> None:
 
     for name, ours_cls, theirs_cls, kwargs in (
             ("Adam", cuda_ops.FusedCUDAAdam, lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.1, fused=True),
-             {}), ("LAMB", cuda_ops.FusedCUDALamb, lambda ps: Lamb(ps, lr=1e-4, weight_decay=0.1), {})):
+             {}), ("LAMB", cuda_ops.FusedCUDALamb, lambda ps: FusedCPULamb(ps, lr=1e-4, weight_decay=0.1, use_op=False), {})):
         ours_params = params()
         ours = ours_cls(ours_params, lr=1e-4, weight_decay=0.1, **kwargs)
         ours.step()
