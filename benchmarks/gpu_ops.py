@@ -24,9 +24,8 @@ import torch.nn.functional as F
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from megazero.ops.cpu_optimizers import FusedCPULamb  # noqa: E402
-
 from megazero.ops import cuda_ops  # noqa: E402
+from megazero.ops.cpu_optimizers import FusedCPULamb  # noqa: E402
 
 HIDDEN, HEADS, SEQ, MICRO, LAYERS, VOCAB = 1600, 25, 1024, 8, 48, 50304  # GPT-2 XL (vocab padded)
 
@@ -161,7 +160,9 @@ def optimizer_rows(table: Table, layers: int) -> None:
 
     for name, ours_cls, theirs_cls, kwargs in (
             ("Adam", cuda_ops.FusedCUDAAdam, lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.1, fused=True),
-             {}), ("LAMB", cuda_ops.FusedCUDALamb, lambda ps: FusedCPULamb(ps, lr=1e-4, weight_decay=0.1, use_op=False), {})):
+             {}),
+            ("LAMB", cuda_ops.FusedCUDALamb,
+             lambda ps: FusedCPULamb(ps, lr=1e-4, weight_decay=0.1, use_op=False), {})):
         ours_params = params()
         ours = ours_cls(ours_params, lr=1e-4, weight_decay=0.1, **kwargs)
         ours.step()
