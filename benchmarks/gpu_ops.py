@@ -12,10 +12,9 @@ import sys
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from megazero.ops import cuda_ops
 
-from megazero.ops import cuda_ops  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def timed(fn, repeats: int = 20) -> float:

@@ -29,8 +29,9 @@ from megazero.data import DistributedBatchLoader, IndexedDataset  # noqa: E402
 from megazero.data.bert_dataset import BertDataset  # noqa: E402
 from megazero.distributed import all_reduce_values  # noqa: E402
 from megazero.profiling import gpt_flops_per_token, measure_peak_flops  # noqa: E402
-from models.bert import Bert, BertConfig, build_model  # noqa: E402
+from models.bert import Bert, BertConfig  # noqa: E402
 from models.common import count_parameters  # noqa: E402
+from models.parallelize import parallelize as build_model  # noqa: E402
 
 SPECIAL_PIECES = ("[CLS]", "[SEP]", "[MASK]", "[PAD]")
 

@@ -29,7 +29,7 @@ from megazero.profiling import gpt_flops_per_token, measure_peak_flops  # noqa: 
 from megazero.profiling.throughput import peak_cache_path  # noqa: E402
 from models.common import count_parameters  # noqa: E402
 from models.gpt import GPT, GPTConfig  # noqa: E402
-from models.gpt import build_model as build_gpt  # noqa: E402
+from models.parallelize import parallelize as build_gpt  # noqa: E402
 
 
 def recipe_parser(description: str, model_config: str, engine_config_path: str) -> argparse.ArgumentParser:
