@@ -15,16 +15,14 @@ import copy
 import json
 import os
 import statistics
-import sys
 import time
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from megazero.profiling.memory import ActivationMeter
+from models.gpt import GPT, GPTConfig
 
-from megazero.profiling.memory import ActivationMeter  # noqa: E402
-from models.gpt import GPT, GPTConfig  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 MODES = {"none": None, "selective": "selective", "full": "full"}
 

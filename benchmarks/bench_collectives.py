@@ -15,7 +15,6 @@ import json
 import os
 import socket
 import statistics
-import sys
 import time
 import warnings
 
@@ -23,10 +22,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from megazero.zero.collectives import all_gather_chunks, reduce_scatter_chunks
 
-from megazero.zero.collectives import all_gather_chunks, reduce_scatter_chunks  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def operations(buffer: torch.Tensor) -> dict:

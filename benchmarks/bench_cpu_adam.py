@@ -28,10 +28,9 @@ import time
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from megazero.ops.cpu_optimizers import FusedCPUAdam, cpu_optimizers_op, grad_norm_squared
 
-from megazero.ops.cpu_optimizers import FusedCPUAdam, cpu_optimizers_op, grad_norm_squared  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 BYTES = {"axpy": 12, "megazero fp32 Adam": 28, "torch fused AdamW": 28, "megazero bf16 phase": 34,
          "torch bf16 phase A": 38, "torch bf16 phase B": 46, "DeepSpeedCPUAdam fp32": 28,

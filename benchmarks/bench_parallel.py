@@ -16,21 +16,20 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
+from bench_zero import param_groups, recipe_config, spawn_workers  # a sibling: this script's directory is on sys.path
+
+import megazero
+from megazero import parallel_state
+from megazero.data import GPTDataset, IndexedDataset
+from megazero.pipeline import bubble_fraction
+from models.gpt import GPTConfig
+from models.parallelize import parallelize
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-import megazero  # noqa: E402
-from benchmarks.bench_zero import param_groups, recipe_config, spawn_workers  # noqa: E402
-from megazero import parallel_state  # noqa: E402
-from megazero.data import GPTDataset, IndexedDataset  # noqa: E402
-from megazero.pipeline import bubble_fraction  # noqa: E402
-from models.gpt import GPTConfig, build_model  # noqa: E402
 
 GLOBAL_BATCH = 8
 # name: (TP, PP, sequence parallel, micro-batch size)
@@ -49,7 +48,7 @@ class LayoutRun:
         config = GPTConfig.from_json(os.path.join(REPO, "configs", "gpt2_cpu.json"), vocab_size=8192,
                                      tensor_model_parallel_size=tp, sequence_parallel=sp or None)
         megazero.set_seed(0)
-        model = build_model(config, grid)
+        model = parallelize(config, grid)
         engine_config = {**recipe_config(), "train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": micro,
                          "wall_clock_breakdown": True}
         dataset = GPTDataset(IndexedDataset(args.data_path + "_train_text_document"), config.seq_length, seed=1)
@@ -73,7 +72,7 @@ class LayoutRun:
 
 
 def worker(rank: int, world: int, port: int, args, queue) -> None:
-    from benchmarks.bench_zero import init_process
+    from bench_zero import init_process
 
     init_process(rank, world, port)
     runs = {name: LayoutRun(name, args) for name in args.layouts}

@@ -44,7 +44,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read when deepspeed is first imported (spawned ranks inherit it)
 
 import megazero  # noqa: E402

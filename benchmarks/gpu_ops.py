@@ -21,13 +21,11 @@ import sys
 import torch
 import torch.nn.functional as F
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-from megazero.ops import cuda_ops  # noqa: E402
-from megazero.ops.cpu_optimizers import FusedCPULamb  # noqa: E402
+from megazero.ops import cuda_ops
+from megazero.ops.cpu_optimizers import FusedCPULamb
 
 HIDDEN, HEADS, SEQ, MICRO, LAYERS, VOCAB = 1600, 25, 1024, 8, 48, 50304  # GPT-2 XL (vocab padded)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def timed(fn, repeats: int) -> float:

@@ -25,14 +25,15 @@ import time
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+import megazero
+from megazero import parallel_state
+from megazero.profiling import gpt_flops_per_token, measure_peak_flops
+from models.common import count_parameters
+from models.gpt import GPT, GPTConfig
+from models.parallelize import parallelize
 
-import megazero  # noqa: E402
-from megazero import parallel_state  # noqa: E402
-from megazero.profiling import gpt_flops_per_token, measure_peak_flops  # noqa: E402
-from models.common import count_parameters  # noqa: E402
-from models.gpt import GPT, GPTConfig, build_model  # noqa: E402
+# run by scripts/check_gpu.py with PYTHONPATH at the repository (or after `make install`)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 FP32_LOSS_RTOL = 1e-4  # fused LayerNorm / GeLU differ from torch's by fp32 rounding, carried over steps
 BF16_LOSS_RTOL = 2e-2
@@ -78,7 +79,7 @@ def train(model_config: GPTConfig, config: dict, steps: int, device: str, warmup
     if layout is not None:
         grid = parallel_state.initialize_model_parallel(*layout)
         model_config = dataclasses.replace(model_config, tensor_model_parallel_size=layout[0])
-    model = build_model(model_config, grid).to(device)
+    model = parallelize(model_config, grid).to(device)
     dataset = SyntheticTokens(model_config.vocab_size, model_config.seq_length)
     engine, _, loader, _ = megazero.initialize(model=model, training_data=dataset, config=config,
                                                mpu=parallel_state if grid else None)

@@ -16,18 +16,16 @@ import json
 import os
 import resource
 import socket
-import sys
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+import megazero
+from megazero.profiling import estimate_zero_memory
+from models.gpt import GPT, GPTConfig
 
-import megazero  # noqa: E402
-from megazero.profiling import estimate_zero_memory  # noqa: E402
-from models.gpt import GPT, GPTConfig  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def gpt_config(layers: int, args) -> GPTConfig:

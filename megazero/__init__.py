@@ -14,6 +14,7 @@ from megazero import parallel_state, tensor_parallel, zero  # noqa: F401  (as in
 from megazero.config import ConfigError, EngineConfig, parse_config
 from megazero.distributed import init_distributed
 from megazero.engine import Engine
+from megazero.model_contract import tied_parameters
 from megazero.parallel_state import grid_from_mpu
 from megazero.tensor_parallel.random import seed_tracker
 
@@ -80,7 +81,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     if engine_config.compute_dtype != torch.float32:
         model = model.to(engine_config.compute_dtype)
     groups = _param_groups(optimizer, model_parameters, model, engine_config)
-    tied = [p for p in model.parameters() if getattr(p, "shared_embedding", False)]
+    tied = tied_parameters(model)
     dp_state = build_data_parallel_state(engine_config.zero_optimization, model, [g["params"] for g in groups],
                                          dp_group, isolate=tied)
     optimizer_groups = dp_state.optimizer_groups(groups)

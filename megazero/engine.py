@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from megazero.config import EngineConfig
 from megazero.engine_api import DeepSpeedEngineAPI
+from megazero.model_contract import HIDDEN_STATES, tied_parameters
 from megazero.monitor import Monitor
 from megazero.optim.protocol import GradScaleTaker, takes_grad_scale, writes_copies
 from megazero.parallel_state import ParallelGrid
@@ -47,7 +48,8 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         self.module = model
         self.grid = grid
         # both pipeline copies of a tied word embedding (first and last stage): their gradients are summed
-        self.tied_params = [p for p in model.parameters() if getattr(p, "shared_embedding", False)]
+        self.tied_params = tied_parameters(model)
+        self._tied_ids = {id(p) for p in self.tied_params}
         self.config = config
         self.optimizer = optimizer
         self.dp = dp_state
@@ -241,7 +243,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
             return None, None
 
         def counted(p: torch.nn.Parameter) -> bool:
-            if getattr(p, "shared_embedding", False) and not grid.is_first_stage:
+            if id(p) in self._tied_ids and not grid.is_first_stage:
                 return False
             return grid.tp_rank == 0 or is_tensor_parallel(p)
 
@@ -283,7 +285,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         losses = []
 
         def forward_step(m: int, received: torch.Tensor | None) -> torch.Tensor:
-            kwargs = dict(batches[m]) if received is None else {**batches[m], "hidden_states": received}
+            kwargs = dict(batches[m]) if received is None else {**batches[m], HIDDEN_STATES: received}
             self._pipeline_micro = m
             try:
                 output = self(**kwargs)
@@ -317,7 +319,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
 
         grid = self.grid
         links = StageLinks(grid.pp_ranks, grid.pp_rank, grid.pp_group, self.config.compute_dtype, self.device)
-        kwargs = dict(batch) if grid.is_first_stage else {**batch, "hidden_states": links.recv_forward()}
+        kwargs = dict(batch) if grid.is_first_stage else {**batch, HIDDEN_STATES: links.recv_forward()}
         output = self(**kwargs)
         if grid.is_last_stage:
             loss = output.detach().float()

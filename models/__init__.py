@@ -1,1 +1,6 @@
-"""The reference models (GPT, BERT) and their Hugging Face mappings, installed with megazero."""
+"""megazero's model zoo: plain, forkable GPT-2 and BERT (models/gpt.py, models/bert.py), their
+Hugging Face mappings, and `parallelize` (models/parallelize.py), which builds this rank's part
+of a model for the parallel grid. See models/README.md for the contract the engine relies on.
+
+The library (megazero/) never imports this package; the recipes, tools and tests do.
+"""

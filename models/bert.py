@@ -4,10 +4,11 @@ sentence head (sentence-order prediction, or next-sentence prediction: the same 
 Plain and meant to be forked, built like models/gpt.py: Megatron's tensor-parallel layers (plain
 layers without a tp_group), one seed per layer so every shard and pipeline stage starts as the
 slice of the single-process model, and `layers` / `pre_process` / `post_process` to build a
-pipeline stage. Post-LayerNorm (the original BERT) or pre-LayerNorm blocks. Recomputation
-(`recompute_granularity` full: whole layers, the first `recompute_num_layers` of each stage;
-selective: the attention core) and sequence parallelism (LayerNorm, dropout and residual
-activations split along the sequence over the TP ranks) as in models/gpt.py.
+pipeline stage (chosen for each rank by models/parallelize.py). Post-LayerNorm (the original
+BERT) or pre-LayerNorm blocks. Recomputation (`recompute_granularity` full: whole layers, the
+first `recompute_num_layers` of each stage; selective: the attention core) and sequence
+parallelism (LayerNorm, dropout and residual activations split along the sequence over the TP
+ranks) as in models/gpt.py.
 """
 
 from __future__ import annotations
@@ -22,10 +23,9 @@ import torch.nn.functional as F
 
 from megazero import tensor_parallel as tp
 from megazero.activation_checkpointing import checkpoint
-from megazero.pipeline.partition import balanced_stage_layers
 from megazero.tensor_parallel.random import get_rng_tracker
 from megazero.tensor_parallel.utils import set_tensor_parallel_attributes
-from models.common import ModelConfig, check_tp_group, normal_init, seeded, vocabulary_init
+from models.common import ModelConfig, StageContract, check_tp_group, normal_init, seeded, vocabulary_init
 
 
 @dataclass
@@ -136,7 +136,7 @@ class Layer(nn.Module):
         return x + drop(self._mlp(self.ln_2(x)))
 
 
-class Bert(nn.Module):
+class Bert(StageContract, nn.Module):
     """BERT for pretraining. forward(...) -> masked-LM loss + sentence loss (see `losses`).
 
     Batch keys: input_ids, token_type_ids, padding_mask (True for real tokens), labels (original
@@ -154,11 +154,10 @@ class Bert(nn.Module):
         base_seed = int(torch.randint(0, 2**31 - 1, (1,), device="cpu"))
         with seeded(base_seed):
             # the MLM output layer is tied to the word embedding: a last stage holds a copy (kept equal
-            # by summing both copies' gradients) built from the same seed as the first stage's
+            # by summing both copies' gradients, see tied_parameters) built from the same seed as the
+            # first stage's
             self.wte = tp.VocabParallelEmbedding(config.padded_vocab_size, h, tp_group,
                                                  init_method=vocabulary_init(0.02, config.vocab_size))
-            if pre_process != post_process:
-                self.wte.weight.shared_embedding = True
             if pre_process:
                 self.wpe = nn.Embedding(config.seq_length, h)
                 self.tte = nn.Embedding(config.num_token_types, h)
@@ -188,17 +187,6 @@ class Bert(nn.Module):
         for linear in (self.lm_dense, self.pooler, self.binary):
             nn.init.normal_(linear.weight, std=0.02)
             nn.init.zeros_(linear.bias)
-
-    def global_parameter_name(self, name: str) -> str:
-        """`name` with this stage's layer numbers made global."""
-        if name.startswith("blocks."):
-            index, rest = name[len("blocks."):].split(".", 1)
-            return f"blocks.{self.layers[int(index)]}.{rest}"
-        return name
-
-    def num_parameters(self) -> int:
-        """Trainable parameters on this rank."""
-        return sum(p.numel() for p in self.parameters())
 
     def embed(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
         """Word + position + token-type embeddings, LayerNorm, dropout."""
@@ -268,20 +256,3 @@ class Bert(nn.Module):
         out = self.losses(input_ids, token_type_ids, padding_mask, labels, loss_mask, sentence_order, hidden_states)
         return out["mlm"] + out["sop"]
 
-
-def stage_layers(config: BertConfig, num_stages: int) -> list[range]:
-    """Each pipeline stage's layers, balanced by parameter count."""
-    h, ffn = config.hidden_size, config.ffn_hidden_size
-    block = 4 * h * h + 4 * h + 2 * h * ffn + ffn + h + 4 * h
-    embedding = config.padded_vocab_size * h
-    heads = embedding + 2 * h * h + 2 * h + config.padded_vocab_size
-    return balanced_stage_layers([block] * config.num_layers, num_stages,
-                                 embedding + (config.seq_length + config.num_token_types) * h, heads)
-
-
-def build_model(config: BertConfig, grid=None) -> Bert:
-    """This rank's part of the model: its tensor-parallel shard of its pipeline stage."""
-    if grid is None:
-        return Bert(config)
-    layers = stage_layers(config, grid.pipeline_model_parallel_size)[grid.pp_rank]
-    return Bert(config, grid.tp_group, layers, pre_process=grid.is_first_stage, post_process=grid.is_last_stage)

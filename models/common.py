@@ -1,6 +1,6 @@
 """What models/gpt.py and models/bert.py share: config loading and vocabulary padding, the
-per-layer seeding that makes every shard and stage start as the single-process model, and the
-initialisers.
+model contract the engine and checkpoints ask through (megazero.model_contract), the per-layer
+seeding that makes every shard and stage start as the single-process model, and the initialisers.
 
 Vocabulary padding is an implementation detail of the layout: the embedding gets rows up to a
 multiple of make_vocab_size_divisible_by x TP so that it splits evenly over the tensor-parallel
@@ -59,6 +59,32 @@ class ModelConfig:
     def to_dict(self) -> dict:
         """Plain dict of the fields (for checkpoints and logs)."""
         return dataclasses.asdict(self)
+
+
+class StageContract:
+    """megazero.model_contract.ModelContract for a model built as one pipeline stage: its layers
+    `self.blocks` are the config's layers `self.layers`, the first stage (`pre_process`) holds
+    the word embedding `self.wte` and the last (`post_process`) the output layer tied to it."""
+
+    def global_parameter_name(self, name: str) -> str:
+        """`name` with this stage's layer numbers made global (blocks.0 of stage 2 -> blocks.{first})."""
+        if name.startswith("blocks."):
+            index, rest = name[len("blocks."):].split(".", 1)
+            return f"blocks.{self.layers[int(index)]}.{rest}"
+        return name
+
+    def tied_parameters(self) -> list[nn.Parameter]:
+        """The word embedding when it is tied to an output layer on another stage (pipelined): the
+        two copies' gradients are summed."""
+        return [self.wte.weight] if self.pre_process != self.post_process else []
+
+    def num_parameters(self) -> int:
+        """Trainable parameters on this rank (a tied embedding counted once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def total_parameters(self) -> int:
+        """Parameters of the whole model, all shards and stages (see count_parameters)."""
+        return count_parameters(type(self), self.config)
 
 
 def normal_init(std: float):

@@ -7,9 +7,10 @@ Model parallelism is in the layers, not in this file's logic: the linear layers 
 column/row-parallel ones and the embedding is vocab-parallel, which are plain Linear/Embedding
 layers when `tp_group` is None (or has one rank). A pipeline stage is the same class built with
 `layers=range(first, last)` and without the embeddings (`pre_process=False`) or the head
-(`post_process=False`). Each layer is initialised from its own seed (drawn once from the default
-generator), so any stage, or any tensor-parallel shard, starts exactly as the slice of the
-single-process model built from the same seed.
+(`post_process=False`); models/parallelize.py decides these for each rank of the grid. Each
+layer is initialised from its own seed (drawn once from the default generator), so any stage, or
+any tensor-parallel shard, starts exactly as the slice of the single-process model built from the
+same seed.
 """
 
 from __future__ import annotations
@@ -25,9 +26,8 @@ import torch.nn.functional as F
 from megazero import tensor_parallel as tp
 from megazero.activation_checkpointing import checkpoint
 from megazero.ops.cuda_ops import bias_gelu
-from megazero.pipeline.partition import balanced_stage_layers
 from megazero.tensor_parallel.random import get_rng_tracker
-from models.common import ModelConfig, check_tp_group, normal_init, seeded, vocabulary_init
+from models.common import ModelConfig, StageContract, check_tp_group, normal_init, seeded, vocabulary_init
 
 
 @dataclass
@@ -151,7 +151,7 @@ class Block(nn.Module):
         return x + self._dropout(self.mlp(self.ln_2(x)))
 
 
-class GPT(nn.Module):
+class GPT(StageContract, nn.Module):
     """GPT-2 language model. forward(input_ids, labels=None) -> mean cross-entropy loss or logits.
 
     tp_group: tensor-parallel process group (None: one rank). layers / pre_process / post_process:
@@ -172,12 +172,11 @@ class GPT(nn.Module):
         base_seed = int(torch.randint(0, 2**31 - 1, (1,), device="cpu"))
         with seeded(base_seed):
             # the output layer is tied to the word embedding: the last stage holds a copy (kept equal
-            # by summing both copies' gradients) built from the same seed as the first stage's
+            # by summing both copies' gradients, see tied_parameters) built from the same seed as the
+            # first stage's
             if pre_process or post_process:
                 self.wte = tp.VocabParallelEmbedding(config.padded_vocab_size, config.hidden_size, tp_group,
                                                      init_method=vocabulary_init(0.02, config.vocab_size))
-                if pre_process != post_process:  # pipelined: the two copies' gradients are summed
-                    self.wte.weight.shared_embedding = True
             if pre_process:
                 self.wpe = nn.Embedding(config.seq_length, config.hidden_size)
                 nn.init.normal_(self.wpe.weight, mean=0.0, std=0.02)
@@ -189,17 +188,6 @@ class GPT(nn.Module):
         if post_process:
             self.ln_f = tp.LayerNorm(config.hidden_size, config.layernorm_epsilon, tp_group, config.sequence_parallel,
                                      config.fused_kernels)
-
-    def num_parameters(self) -> int:
-        """Trainable parameters on this rank (the tied embedding counted once)."""
-        return sum(p.numel() for p in self.parameters())
-
-    def global_parameter_name(self, name: str) -> str:
-        """`name` with this stage's layer numbers made global (blocks.0 of stage 2 -> blocks.{first})."""
-        if name.startswith("blocks."):
-            index, rest = name[len("blocks."):].split(".", 1)
-            return f"blocks.{self.layers[int(index)]}.{rest}"
-        return name
 
     def embed(self, input_ids: torch.Tensor, first_position: int = 0) -> torch.Tensor:
         """Token + position embeddings, with dropout (split along the sequence under SP)."""
@@ -299,21 +287,3 @@ class GPT(nn.Module):
             logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
         return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
 
-
-def stage_layers(config: GPTConfig, num_stages: int) -> list[range]:
-    """Each pipeline stage's layers, balanced by parameter count (embeddings count on the first
-    stage, the final LayerNorm and the tied output layer's copy on the last)."""
-    h, ffn = config.hidden_size, config.ffn_hidden_size
-    block = 4 * h * h + 4 * h + 2 * h * ffn + ffn + h + 4 * h  # attention, MLP, two LayerNorms
-    embedding = config.padded_vocab_size * h
-    return balanced_stage_layers([block] * config.num_layers, num_stages, embedding + config.seq_length * h,
-                                 embedding + 2 * h)
-
-
-def build_model(config: GPTConfig, grid=None) -> GPT:
-    """This rank's part of the model: its tensor-parallel shard of its pipeline stage (the whole
-    model without a grid). The one place where the parallel layout shapes the model."""
-    if grid is None:
-        return GPT(config)
-    layers = stage_layers(config, grid.pipeline_model_parallel_size)[grid.pp_rank]
-    return GPT(config, grid.tp_group, layers, pre_process=grid.is_first_stage, post_process=grid.is_last_stage)

@@ -14,27 +14,25 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from megazero.checkpoint.convert import StageParameter, write_converted  # noqa: E402
-from megazero.checkpoint.engine_state import resolve_tag  # noqa: E402
-from megazero.checkpoint.io import CheckpointError  # noqa: E402
-from megazero.checkpoint.universal import read_parameter_states  # noqa: E402
-from megazero.tensor_parallel.utils import partition_of  # noqa: E402
-from models.gpt import GPT, GPTConfig, stage_layers  # noqa: E402
+from megazero.checkpoint.convert import StageParameter, write_converted
+from megazero.checkpoint.engine_state import resolve_tag
+from megazero.checkpoint.io import CheckpointError
+from megazero.checkpoint.universal import read_parameter_states
+from megazero.tensor_parallel.utils import partition_of
+from models.gpt import GPTConfig
+from models.parallelize import build_stage
 
 
 def stage_parameters(config: GPTConfig, pp: int) -> list[list[StageParameter]]:
     """Each target stage's parameters, in module order, from the stage built on the meta device."""
     whole = config.whole()  # whole tensors with the target's vocabulary padding: the shards are cut afterwards
     stages = []
-    for pp_rank, layers in enumerate(stage_layers(whole, pp)):
+    for pp_rank in range(pp):
         with torch.device("meta"):
-            model = GPT(whole, layers=layers, pre_process=pp_rank == 0, post_process=pp_rank == pp - 1)
+            model = build_stage(whole, pp_rank, pp)
         stages.append([StageParameter(model.global_parameter_name(name), *partition_of(p), rows=p.shape[0])
                        for name, p in model.named_parameters()])
     return stages

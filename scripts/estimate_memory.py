@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
+
+from megazero.profiling import estimate_zero_memory, paper_zero_memory
+from models.common import count_parameters
+from models.gpt import GPT, GPTConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-from megazero.profiling import estimate_zero_memory, paper_zero_memory  # noqa: E402
-from models.common import count_parameters  # noqa: E402
-from models.gpt import GPT, GPTConfig  # noqa: E402
 
 
 def main(argv=None) -> None:

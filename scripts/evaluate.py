@@ -14,17 +14,16 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from megazero.checkpoint.model_files import load_model
+from megazero.data import IndexedDataset, SentencePieceTokenizer
+from models.gpt import GPT, GPTConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from megazero.data import IndexedDataset, SentencePieceTokenizer  # noqa: E402
-from models.gpt_checkpoint import load_model  # noqa: E402
 
 
 @torch.no_grad()
@@ -63,7 +62,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--stride", type=int, default=None, help="default: the model's seq_length")
     parser.add_argument("--max-tokens", type=int, default=None, help="evaluate only the first N tokens")
     args = parser.parse_args(argv)
-    model = load_model(args.load, args.tag)
+    model = load_model(args.load, args.tag, model_class=GPT, config_class=GPTConfig)
     if args.data_path:
         tokens = torch.from_numpy(np.asarray(IndexedDataset(args.data_path).tokens, dtype=np.int64))
     else:

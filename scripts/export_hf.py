@@ -15,17 +15,16 @@ import argparse
 import json
 import os
 import shutil
-import sys
+
+from megazero.checkpoint.consolidate import consolidate_fp32_state_dict
+from megazero.checkpoint.model_files import saved_model_config, saved_model_config_dict
+from megazero.data import SentencePieceTokenizer
+from models import hf_bert
+from models.bert import BertConfig
+from models.gpt import GPTConfig
+from models.hf_gpt2 import hf_config_dict, to_hf_state_dict
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-from megazero.checkpoint.consolidate import consolidate_fp32_state_dict  # noqa: E402
-from megazero.data import SentencePieceTokenizer  # noqa: E402
-from models import hf_bert  # noqa: E402
-from models.bert import BertConfig  # noqa: E402
-from models.gpt_checkpoint import is_bert_checkpoint, saved_model_config  # noqa: E402
-from models.hf_gpt2 import hf_config_dict, to_hf_state_dict  # noqa: E402
 
 
 def main(argv=None) -> str:
@@ -39,12 +38,12 @@ def main(argv=None) -> str:
 
     tokenizer = SentencePieceTokenizer(args.tokenizer_model)
     weights = consolidate_fp32_state_dict(args.load, args.tag)
-    if is_bert_checkpoint(args.load, args.tag):
-        config = saved_model_config(args.load, args.tag, BertConfig)
+    if "binary_head" in (saved_model_config_dict(args.load, args.tag) or {}):  # a BertConfig's field
+        config = saved_model_config(args.load, args.tag, config_class=BertConfig)
         state = hf_bert.to_hf_state_dict(weights, config)
         hf_config = hf_bert.hf_config_dict(config, tokenizer.token_id("[PAD]"))
     else:
-        config = saved_model_config(args.load, args.tag)
+        config = saved_model_config(args.load, args.tag, config_class=GPTConfig)
         state = to_hf_state_dict(weights, config)
         hf_config = hf_config_dict(config, tokenizer.eod, tokenizer.eod)
     os.makedirs(args.out, exist_ok=True)

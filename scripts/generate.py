@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
+
+import torch
+
+from megazero.checkpoint.model_files import load_model
+from megazero.data import SentencePieceTokenizer
+from models.gpt import GPT, GPTConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-import torch  # noqa: E402
-
-from megazero.data import SentencePieceTokenizer  # noqa: E402
-from models.gpt_checkpoint import load_model  # noqa: E402
 
 
 def main(argv=None) -> str:
@@ -37,7 +36,7 @@ def main(argv=None) -> str:
     parser.add_argument("--no-kv-cache", action="store_true", help="recompute the whole context at every step")
     args = parser.parse_args(argv)
     tokenizer = SentencePieceTokenizer(args.tokenizer_model)
-    model = load_model(args.load, args.tag)
+    model = load_model(args.load, args.tag, model_class=GPT, config_class=GPTConfig)
     if tokenizer.vocab_size != model.config.vocab_size:
         raise ValueError(f"--tokenizer-model {args.tokenizer_model} has {tokenizer.vocab_size} pieces but the model in "
                          f"{args.load} was trained with vocab_size {model.config.vocab_size}")

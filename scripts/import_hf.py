@@ -12,15 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
+
+import torch
+
+from megazero.checkpoint.model_files import write_weights_checkpoint
+from models.gpt import GPT
+from models.hf_gpt2 import from_hf
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-import torch  # noqa: E402
-
-from models.gpt_checkpoint import write_gpt_checkpoint  # noqa: E402
-from models.hf_gpt2 import from_hf  # noqa: E402
 
 
 def read_hf_state(directory: str) -> dict[str, torch.Tensor]:
@@ -45,7 +44,7 @@ def main(argv=None) -> str:
     with open(os.path.join(args.hf_dir, "config.json")) as f:
         hf_config = json.load(f)
     config, state = from_hf(hf_config, read_hf_state(args.hf_dir))
-    out = write_gpt_checkpoint(config, state, args.save, args.tag)
+    out = write_weights_checkpoint(config, state, args.save, args.tag, model_class=GPT)
     print(f"wrote {out}: {config.num_layers} layers, hidden {config.hidden_size}, "
           f"vocabulary {config.padded_vocab_size}")
     return out

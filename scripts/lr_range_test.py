@@ -21,7 +21,8 @@ from torch.utils.tensorboard import SummaryWriter
 import megazero
 from megazero import parallel_state, training
 from megazero.data import GPTDataset, IndexedDataset
-from models.gpt import GPTConfig, build_model
+from models.gpt import GPTConfig
+from models.parallelize import parallelize
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
@@ -79,7 +80,7 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     own, args = parse_args(argv)
     _, grid, tokenizer = training.start_run(args)
-    model = build_model(GPTConfig.from_json(args.model_config, vocab_size=tokenizer.vocab_size,
+    model = parallelize(GPTConfig.from_json(args.model_config, vocab_size=tokenizer.vocab_size,
                                             **training.model_overrides(args)), grid)
     train = GPTDataset(IndexedDataset(args.data_path + "_train_text_document"), model.config.seq_length, seed=args.seed)
     config = training.engine_config(args)

@@ -20,9 +20,7 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megazero.data import SentencePieceTokenizer, best_dtype, train_sentencepiece, write_indexed_dataset  # noqa: E402
+from megazero.data import SentencePieceTokenizer, best_dtype, train_sentencepiece, write_indexed_dataset
 
 
 def read_documents(inputs: list[str]) -> list[tuple[str, str]]:

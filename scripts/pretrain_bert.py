@@ -17,8 +17,9 @@ from megazero import training
 from megazero.data import IndexedDataset
 from megazero.data.bert_dataset import BertDataset
 from megazero.profiling import gpt_flops_per_token
-from models.bert import Bert, BertConfig, build_model
+from models.bert import Bert, BertConfig
 from models.common import count_parameters
+from models.parallelize import parallelize
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 SPECIAL_PIECES = ("[CLS]", "[SEP]", "[MASK]", "[PAD]")
@@ -76,7 +77,7 @@ def main(argv=None) -> dict:
 
     # the model: this rank's part of --model-config with the flags applied
     config = model_config(args, tokenizer.vocab_size)
-    model = build_model(config, grid)
+    model = parallelize(config, grid)
     args.seq_length = config.seq_length
     num_params = count_parameters(Bert, config)
     flops = gpt_flops_per_token(num_params, config.num_layers, config.hidden_size, config.seq_length)

@@ -15,7 +15,8 @@ from megazero import training
 from megazero.data import GPTDataset, IndexedDataset
 from megazero.profiling import gpt_flops_per_token
 from models.common import count_parameters
-from models.gpt import GPT, GPTConfig, build_model
+from models.gpt import GPT, GPTConfig
+from models.parallelize import parallelize
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
@@ -34,7 +35,7 @@ def main(argv=None) -> dict:
 
     # the model: --model-config with the size, recompute and parallelism flags; this rank's part of it
     config = GPTConfig.from_json(args.model_config, vocab_size=tokenizer.vocab_size, **training.model_overrides(args))
-    model = build_model(config, grid)
+    model = parallelize(config, grid)
     args.seq_length = config.seq_length
     num_params = count_parameters(GPT, config)
     flops = gpt_flops_per_token(num_params, config.num_layers, config.hidden_size, args.seq_length)

@@ -9,12 +9,8 @@ loads with torch.load(..., weights_only=True).
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megazero.checkpoint.consolidate import consolidate_fp32_state_dict, save_consolidated  # noqa: E402
+from megazero.checkpoint.consolidate import consolidate_fp32_state_dict, save_consolidated
 
 
 def main(argv=None) -> None:

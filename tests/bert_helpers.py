@@ -8,7 +8,8 @@ import megazero
 from megazero import parallel_state
 from megazero.data import IndexedDataset, write_indexed_dataset
 from megazero.data.bert_dataset import BertDataset
-from models.bert import BertConfig, build_model
+from models.bert import BertConfig
+from models.parallelize import parallelize
 from tests.training_helpers import full_parameters, global_mean
 
 SPECIAL = {"[CLS]": 0, "[SEP]": 1, "[MASK]": 2, "[PAD]": 3}
@@ -44,7 +45,7 @@ def train_bert(config: dict, prefix: str, steps: int, layout: tuple[int, int] | 
     megazero.set_seed(0)
     grid = parallel_state.initialize_model_parallel(*layout) if layout else None
     overrides = {**(model_overrides or {}), "tensor_model_parallel_size": layout[0] if layout else 1}
-    model = build_model(BertConfig(**{**TINY_BERT, **overrides}), grid)
+    model = parallelize(BertConfig(**{**TINY_BERT, **overrides}), grid)
     engine, _, loader, _ = megazero.initialize(model=model, training_data=bert_dataset(prefix), config=config,
                                                mpu=parallel_state if grid else None)
     data = iter(loader)

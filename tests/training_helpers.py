@@ -12,7 +12,8 @@ from megazero.distributed import all_reduce_values
 from megazero.tensor_parallel import merge_shards
 from megazero.tensor_parallel.utils import partition_of
 from megazero.zero import GatheredParameters
-from models.gpt import GPTConfig, build_model
+from models.gpt import GPTConfig
+from models.parallelize import parallelize
 
 # dropout on: exactness claims (resume, data-parallel layouts, recomputation) must hold for the
 # random masks too; dropout 0 would hide any random state that is not restored or not shared
@@ -46,7 +47,7 @@ def build_engine(config: dict, prefix: str, seed: int = 0, model_overrides: dict
     if layout is not None:
         grid = parallel_state.initialize_model_parallel(*layout)
         overrides["tensor_model_parallel_size"] = layout[0]
-    model = build_model(GPTConfig(**{**TINY, **overrides}), grid)
+    model = parallelize(GPTConfig(**{**TINY, **overrides}), grid)
     dataset = GPTDataset(IndexedDataset(prefix), TINY["seq_length"], seed=seed)
     engine, _, loader, _ = megazero.initialize(model=model, training_data=dataset, config=config,
                                                mpu=parallel_state if grid is not None else None)

@@ -18,7 +18,6 @@ the step and the micro-batch's coordinates (tensor_parallel.random.MicroBatchStr
 
 from __future__ import annotations
 
-import glob
 import os
 import random
 import warnings
@@ -26,11 +25,21 @@ import warnings
 import numpy as np
 import torch
 
-from megazero.checkpoint.files import model_file, optim_file, rng_file, zero_file
+from megazero.checkpoint.files import (
+    FORMAT_VERSION,
+    MODEL_FILES,
+    model_file,
+    model_files_in,
+    optim_file,
+    replaced_dir,
+    rng_file,
+    zero_file,
+)
 from megazero.checkpoint.io import (
     CheckpointError,
     agree_on_tag,
     atomic_checkpoint_dir,
+    check_format_version,
     check_plain,
     check_tag,
     load_file,
@@ -39,12 +48,12 @@ from megazero.checkpoint.io import (
 )
 from megazero.checkpoint.universal import apply_parameter_states, read_parameter_states, saved_layout
 from megazero.checkpoint.zero_state import load_own_zero_state, same_zero_layout, zero_state
+from megazero.model_contract import global_name_of, model_config_dict
 from megazero.tensor_parallel.random import get_rng_tracker
 from megazero.tensor_parallel.utils import partition_of
 from megazero.zero.init import GatheredParameters
 
 MODEL_FILE = model_file()  # the single-process (TP = PP = 1) name
-FORMAT_VERSION = 2
 
 
 def capture_rng_state() -> dict:
@@ -76,9 +85,9 @@ def restore_rng_state(state: dict) -> None:
 
 def global_names(module: torch.nn.Module) -> dict[int, str]:
     """id(param) -> its name in the whole model (a pipeline stage's module maps its local layer
-    numbers through `global_parameter_name`, when it has one)."""
-    rename = getattr(module, "global_parameter_name", None)
-    return {id(p): rename(name) if rename else name for name, p in module.named_parameters()}
+    numbers through the model contract's `global_parameter_name`, when it has one)."""
+    rename = global_name_of(module)
+    return {id(p): rename(name) for name, p in module.named_parameters()}
 
 
 def layout_of(engine) -> dict:
@@ -123,13 +132,12 @@ def save_engine_checkpoint(engine, save_dir, tag, client_state: dict) -> str:
 
 def _model_state(engine, client_state: dict, names: dict[int, str]) -> dict:
     params = dict(engine.module.named_parameters())
-    config = getattr(engine.module, "config", None)
     return {
         "format_version": FORMAT_VERSION,
         "module": _module_state(engine),
         "layout": layout_of(engine),
         "param_meta": {names[id(p)]: list(partition_of(p)) for p in params.values()},
-        "model_config": config.to_dict() if hasattr(config, "to_dict") else None,
+        "model_config": model_config_dict(engine.module),
         "global_steps": engine.global_steps,
         "global_samples": engine.global_samples,
         "micro_steps": engine.micro_steps,
@@ -148,7 +156,7 @@ def _module_state(engine) -> dict:
     """The module's state dict under global names; under ZeRO-3 without the (partitioned)
     parameters, which live in the per-rank ZeRO files, so that no rank has to hold the whole
     model to save it."""
-    rename = getattr(engine.module, "global_parameter_name", None) or (lambda name: name)
+    rename = global_name_of(engine.module)
     state = engine.module.state_dict()
     if engine.dp.stage == 3:
         params = {name for name, _ in engine.module.named_parameters()}
@@ -164,7 +172,7 @@ def resolve_tag(load_dir: str, tag) -> str | None:
             return None
     tag = check_tag(tag)
     path = os.path.join(load_dir, tag)
-    old = os.path.join(load_dir, f".{tag}.old")
+    old = replaced_dir(load_dir, tag)
     if not os.path.isdir(path) and os.path.isdir(old):
         os.replace(old, path)  # a save of the same tag was killed between its two renames
     if not os.path.isdir(path):
@@ -174,9 +182,7 @@ def resolve_tag(load_dir: str, tag) -> str | None:
 
 def _read_model_state(path: str, name: str) -> dict:
     state = load_file(os.path.join(path, name))
-    if state.get("format_version") not in (1, FORMAT_VERSION):
-        raise CheckpointError(f"{path}/{name}: format_version {state.get('format_version')!r}, expected "
-                              f"{FORMAT_VERSION}")
+    check_format_version(state, f"{path}/{name}")
     return state
 
 
@@ -232,15 +238,15 @@ def load_engine_checkpoint(engine, load_dir, tag, load_optimizer_states: bool, l
 
 
 def _any_model_file(path: str) -> str:
-    found = sorted(glob.glob(os.path.join(path, "mp_rank_*_model_states.pt")))
+    found = model_files_in(path)
     if not found:
-        raise CheckpointError(f"{path}: no mp_rank_*_model_states.pt file")
+        raise CheckpointError(f"{path}: no {MODEL_FILES} file")
     return os.path.basename(found[0])
 
 
 def _local_buffers(engine, state: dict) -> dict:
     """The module's non-parameter state (buffers) from a model file, under local names."""
-    rename = getattr(engine.module, "global_parameter_name", None) or (lambda name: name)
+    rename = global_name_of(engine.module)
     params = {name for name, _ in engine.module.named_parameters()}
     local = {rename(k): k for k in engine.module.state_dict() if k not in params}
     return {local[k]: v for k, v in state["module"].items() if k in local}
@@ -249,7 +255,7 @@ def _local_buffers(engine, state: dict) -> dict:
 def _load_module_state(engine, path: str, state: dict, strict: bool) -> None:
     """The model file's module state into the engine's module (global names mapped to local ones;
     keys the model lacks are passed on as they are, for strict loading to name them)."""
-    rename = getattr(engine.module, "global_parameter_name", None) or (lambda name: name)
+    rename = global_name_of(engine.module)
     local = {rename(k): k for k in engine.module.state_dict()}
     try:
         engine.module.load_state_dict({local.get(k, k): v for k, v in state["module"].items()}, strict=strict)

@@ -1,9 +1,14 @@
-"""Names of the files in a checkpoint directory (DeepSpeed's names, extended by pipeline stage).
+"""Every name in a checkpoint directory (DeepSpeed's names, extended by pipeline stage), and the
+format version the model files record.
 
-    mp_rank_{TP}_model_states.pt                 module state, counters, schedule, loss scale, layout
-    mp_rank_{TP}_optim_states.pt                 ZeRO stage 0: optimizer state and fp32 masters
-    zero_pp_rank_{DP}_mp_rank_{TP}_optim_states.pt   ZeRO 1-3: data-parallel rank DP's partitions
-    rng_state_rank{R}.pt                         each global rank's RNG states
+    save_dir/latest                              the tag of the newest complete checkpoint
+    save_dir/{tag}/                              one checkpoint:
+      mp_rank_{TP}_model_states.pt               module state, counters, schedule, loss scale, layout
+      mp_rank_{TP}_optim_states.pt               ZeRO stage 0: optimizer state and fp32 masters
+      zero_pp_rank_{DP}_mp_rank_{TP}_optim_states.pt   ZeRO 1-3: data-parallel rank DP's partitions
+      rng_state_rank{R}.pt                       each global rank's RNG states
+    save_dir/.{tag}.tmp/, save_dir/.{tag}.old/   a checkpoint being written, one being replaced
+    FILE.tmp{PID}                                a file being written (renamed over FILE when complete)
 
 With pipeline parallelism the model-parallel suffix {TP} becomes {TP}_{PP} (two and three digits),
 so every (tensor rank, pipeline stage) has its own files and a single-process checkpoint keeps
@@ -15,6 +20,14 @@ from __future__ import annotations
 import glob
 import os
 import re
+
+LATEST_FILE = "latest"
+MODEL_FILES = "mp_rank_*_model_states.pt"  # the glob pattern of every model file of a checkpoint
+ZERO_FILES = "zero_pp_rank_*_optim_states.pt"  # ... and of every ZeRO partition file
+# 2: the layout (TP, PP, DP, ZeRO stage) and per-parameter partition metadata in the model files;
+# 1: single-process checkpoints from before model parallelism, still read (universal.saved_layout)
+FORMAT_VERSION = 2
+READABLE_FORMAT_VERSIONS = (1, 2)
 
 
 def mp_suffix(tp_rank: int, pp_rank: int, pp_size: int) -> str:
@@ -42,12 +55,32 @@ def rng_file(rank: int) -> str:
     return f"rng_state_rank{rank}.pt"
 
 
+def model_files_in(path: str) -> list[str]:
+    """Paths of every model file of the checkpoint directory `path`, sorted."""
+    return sorted(glob.glob(os.path.join(path, MODEL_FILES)))
+
+
+def writing_dir(save_dir: str, tag: str) -> str:
+    """The directory a checkpoint is written in before it is published as save_dir/tag."""
+    return os.path.join(save_dir, f".{tag}.tmp")
+
+
+def replaced_dir(save_dir: str, tag: str) -> str:
+    """Where a published save_dir/tag waits while a new checkpoint of the same tag replaces it."""
+    return os.path.join(save_dir, f".{tag}.old")
+
+
+def partial_file(path: str) -> str:
+    """The name `path` is written under until it is complete (one per process)."""
+    return f"{path}.tmp{os.getpid()}"
+
+
 def zero_files_of(path: str, tp_rank: int, pp_rank: int, pp_size: int) -> dict[int, str]:
     """{data-parallel rank: file} of the ZeRO files of one (tensor rank, pipeline stage)."""
     suffix = mp_suffix(tp_rank, pp_rank, pp_size)
     pattern = re.compile(rf"zero_pp_rank_(\d+)_mp_rank_{suffix}_optim_states\.pt$")
     files = {}
-    for f in glob.glob(os.path.join(path, "zero_pp_rank_*_optim_states.pt")):
+    for f in glob.glob(os.path.join(path, ZERO_FILES)):
         match = pattern.search(f)
         if match:
             files[int(match.group(1))] = f

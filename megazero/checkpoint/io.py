@@ -16,7 +16,15 @@ import warnings
 import torch
 import torch.distributed as dist
 
-LATEST_FILE = "latest"
+from megazero.checkpoint.files import (
+    FORMAT_VERSION,
+    LATEST_FILE,
+    READABLE_FORMAT_VERSIONS,
+    partial_file,
+    replaced_dir,
+    writing_dir,
+)
+
 _SEPARATORS = tuple(sep for sep in (os.sep, os.altsep, "\0", "\n", "\r") if sep)
 _PLAIN = (str, int, float, bool, type(None), torch.Tensor)
 
@@ -48,9 +56,17 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def check_format_version(state: dict, path: str) -> None:
+    """Raise CheckpointError naming the file unless its format_version is one this code reads."""
+    version = state.get("format_version")
+    if version not in READABLE_FORMAT_VERSIONS:
+        raise CheckpointError(f"{path}: format_version {version!r}, expected {FORMAT_VERSION} (this megazero reads "
+                              f"versions {', '.join(map(str, READABLE_FORMAT_VERSIONS))})")
+
+
 def save_file(obj, path: str) -> None:
     """torch.save to a temporary name in the same directory, fsync, then rename over `path`."""
-    tmp = f"{path}.tmp{os.getpid()}"
+    tmp = partial_file(path)
     with open(tmp, "wb") as f:
         torch.save(obj, f)
         f.flush()
@@ -80,7 +96,7 @@ def save_tensors(state: dict, path: str) -> None:
     for name, tensor in state.items():  # safetensors refuses two names over one storage
         tensors[name] = tensor.clone() if id(tensor) in seen else tensor.contiguous()
         seen.add(id(tensor))
-    tmp = f"{path}.tmp{os.getpid()}"
+    tmp = partial_file(path)
     save_safetensors(tensors, tmp, metadata={"format": "pt"})
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
@@ -89,7 +105,7 @@ def save_tensors(state: dict, path: str) -> None:
 
 def write_text_atomic(path: str, text: str) -> None:
     """Replace a small text file atomically."""
-    tmp = f"{path}.tmp{os.getpid()}"
+    tmp = partial_file(path)
     with open(tmp, "w") as f:
         f.write(text)
         f.flush()
@@ -170,7 +186,7 @@ def atomic_checkpoint_dir(save_dir: str, tag: str, group=None):
     tag = check_tag(tag)
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     final = os.path.join(save_dir, tag)
-    tmp = os.path.join(save_dir, f".{tag}.tmp")
+    tmp = writing_dir(save_dir, tag)
     if rank == 0:
         os.makedirs(save_dir, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # left by a killed save of the same tag
@@ -179,7 +195,7 @@ def atomic_checkpoint_dir(save_dir: str, tag: str, group=None):
     yield tmp
     _barrier(group)  # every rank's files are complete
     if rank == 0:
-        old = os.path.join(save_dir, f".{tag}.old")
+        old = replaced_dir(save_dir, tag)
         shutil.rmtree(old, ignore_errors=True)
         if os.path.exists(final):
             os.replace(final, old)

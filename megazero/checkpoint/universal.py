@@ -11,15 +11,14 @@ its ZeRO partition. Loading at the same layout does not come here: each rank rea
 
 from __future__ import annotations
 
-import glob
 import os
 import warnings
 from dataclasses import dataclass, field
 
 import torch
 
-from megazero.checkpoint.files import model_file, optim_file, zero_files_of
-from megazero.checkpoint.io import CheckpointError, load_file
+from megazero.checkpoint.files import MODEL_FILES, model_file, model_files_in, optim_file, zero_files_of
+from megazero.checkpoint.io import CheckpointError, check_format_version, load_file
 from megazero.checkpoint.zero_state import cut_partition, per_parameter_states, read_zero_states
 from megazero.tensor_parallel.utils import is_tensor_parallel, merge_shards, shard_of
 
@@ -70,10 +69,12 @@ def _stage_states(path: str, state: dict, tp_rank: int, pp_rank: int) -> tuple[d
 
 def read_parameter_states(path: str) -> ParameterStates:
     """Every file of the checkpoint at `path`, reassembled per parameter (see the module docstring)."""
-    files = sorted(glob.glob(os.path.join(path, "mp_rank_*_model_states.pt")))
+    files = model_files_in(path)
     if not files:
-        raise CheckpointError(f"{path}: no mp_rank_*_model_states.pt files")
-    layout = saved_layout(load_file(files[0]))  # every model file records the same layout
+        raise CheckpointError(f"{path}: no {MODEL_FILES} files")
+    first = load_file(files[0])
+    check_format_version(first, files[0])
+    layout = saved_layout(first)  # every model file records the same layout
     out = ParameterStates()
     by_rank: dict[int, list] = {}  # pipeline stage -> per tensor rank (weights, optimizer, module)
     for pp_rank in range(layout["pp"]):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from megazero.checkpoint.files import ZERO_FILES
 from megazero.checkpoint.io import CheckpointError, load_file
 from megazero.zero.layout import FlatLayout
 from megazero.zero.master_partitions import load_master_partition, master_partition
@@ -72,7 +73,7 @@ def cut_partition(layout: FlatLayout, rank: int, tensors: dict[int, torch.Tensor
 def read_zero_states(path: str, files: dict[int, str]) -> list[dict]:
     """The ZeRO files of one (tensor rank, pipeline stage), {dp rank: file}, loaded in rank order."""
     if not files:
-        raise CheckpointError(f"{path}: no zero_pp_rank_*_optim_states.pt files")
+        raise CheckpointError(f"{path}: no {ZERO_FILES} files")
     if sorted(files) != list(range(len(files))):
         raise CheckpointError(f"{path}: ZeRO files for data-parallel ranks {sorted(files)}; some are missing")
     states = [load_file(files[r]) for r in range(len(files))]

@@ -110,8 +110,8 @@ def test_export_to_transformers_bert(pools, sentence_prefix, tmp_path):
     os.environ["HF_HUB_OFFLINE"] = "1"
     from transformers import BertForPreTraining
 
+    from megazero.checkpoint.model_files import load_model
     from models.bert import Bert, BertConfig
-    from models.gpt_checkpoint import load_model
     from scripts.export_hf import main as export
     from tests.bert_helpers import bert_dataset
 

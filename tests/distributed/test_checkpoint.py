@@ -15,8 +15,6 @@ from megazero.checkpoint import CheckpointError
 from tests.process_pool import ProcessPool
 from tests.training_helpers import base_config, build_engine, train
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_resume_is_bit_exact_in_a_new_process_group(pools, token_dataset_prefix_module, tmp_path, precision):
@@ -103,8 +101,7 @@ def test_missing_checkpoints(pools, token_dataset_prefix_module, tmp_path):
 
 
 KILLED_SAVER = r"""
-import sys, torch, megazero
-sys.path.insert(0, {repo!r})
+import torch, megazero
 from models.gpt import GPT, GPTConfig
 megazero.init_distributed()
 model = GPT(GPTConfig(vocab_size=8000, num_layers=4, hidden_size=512, num_attention_heads=8, seq_length=64))
@@ -129,7 +126,7 @@ def _load_latest(prefix: str, save_dir: str):
 
 def test_killed_save_leaves_previous_checkpoint_loadable(pools, token_dataset_prefix_module, tmp_path):
     save_dir = str(tmp_path / "ckpt")
-    script = KILLED_SAVER.format(repo=REPO, save_dir=save_dir)
+    script = KILLED_SAVER.format(save_dir=save_dir)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "1"  # one complete checkpoint

@@ -10,7 +10,8 @@ import os
 import pytest
 import torch
 
-from models.gpt_checkpoint import load_model
+from megazero.checkpoint.model_files import load_model
+from models.gpt import GPT, GPTConfig
 from tests.conftest import CORPUS_PREFIX
 from tests.hf_helpers import require_transformers
 from tests.training_helpers import base_config, build_engine, global_mean, train
@@ -29,7 +30,7 @@ def trained(pools, token_dataset_prefix_module, tmp_path_factory):
 
 def test_load_model_joins_the_layout(trained):
     save, result = trained
-    model = load_model(save)
+    model = load_model(save, model_class=GPT, config_class=GPTConfig)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), result["params"][name], rtol=0, atol=0, msg=name)
 
@@ -40,7 +41,7 @@ def test_evaluate(trained, token_dataset_prefix_module):
 
     save, _ = trained
     result = evaluate(["--load", save, "--data-path", token_dataset_prefix_module, "--max-tokens", "200"])
-    model = load_model(save)
+    model = load_model(save, model_class=GPT, config_class=GPTConfig)
     tokens = torch.from_numpy(IndexedDataset(token_dataset_prefix_module).tokens[:200].astype("int64"))
     window = model.config.seq_length
     total, count = 0.0, 0
@@ -78,7 +79,7 @@ def test_export_to_transformers_and_back(trained, corpus_prefix, tmp_path):
     save, _ = trained
     export(["--load", save, "--out", str(tmp_path / "hf"), "--tokenizer-model", TOKENIZER])
     hf = GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")).eval()
-    ours = load_model(save)
+    ours = load_model(save, model_class=GPT, config_class=GPTConfig)
     ids = torch.randint(0, ours.config.vocab_size, (2, ours.config.seq_length),
                         generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -16,7 +16,8 @@ import torch
 import megazero
 from megazero.data import IndexedDataset
 from megazero.data.bert_dataset import BertDataset
-from models.bert import BertConfig, build_model
+from models.bert import BertConfig
+from models.parallelize import parallelize
 from tests.bert_helpers import SPECIAL, TINY_BERT, write_sentence_dataset
 
 pytestmark = pytest.mark.slow  # about 25 s on one core
@@ -41,7 +42,7 @@ def test_sentence_order_accuracy_beats_chance(tmp_path):
                            TINY_BERT["seq_length"], SPECIAL, TINY_BERT["vocab_size"], seed=1, binary_head="sop",
                            shuffle=False)
     megazero.set_seed(0)
-    model = build_model(BertConfig(**{**TINY_BERT, "dropout": 0.1, "binary_head": "sop"}))
+    model = parallelize(BertConfig(**{**TINY_BERT, "dropout": 0.1, "binary_head": "sop"}))
     engine, _, loader, _ = megazero.initialize(model=model, training_data=train, config={
         "train_batch_size": 16, "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 3e-3, "warmup_num_steps": 20}},

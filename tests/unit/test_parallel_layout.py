@@ -7,7 +7,8 @@ import torch
 
 from megazero.pipeline import balanced_stage_layers, bubble_fraction
 from megazero.tensor_parallel import merge_shards, shard_of
-from models.gpt import GPTConfig, stage_layers
+from models.gpt import GPTConfig
+from models.parallelize import stage_layers
 
 
 @pytest.mark.parametrize("stride", [1, 3])

@@ -100,7 +100,8 @@ PROGRAM = textwrap.dedent("""
     from megazero import parallel_state, training
     import megazero
     from megazero.data import GPTDataset, IndexedDataset
-    from models.gpt import GPTConfig, build_model
+    from models.gpt import GPTConfig
+    from models.parallelize import parallelize
     from tests.training_helpers import TINY
 
     prefix, config_path, out_path, kill_at = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
@@ -111,7 +112,7 @@ PROGRAM = textwrap.dedent("""
     megazero.init_distributed()
     grid = parallel_state.initialize_model_parallel(1, 1)
     megazero.set_seed(args.seed)
-    model = build_model(GPTConfig(**TINY), grid)
+    model = parallelize(GPTConfig(**TINY), grid)
     args.seq_length = TINY["seq_length"]
 
 

@@ -134,10 +134,11 @@ def test_hf_bert_export_holds_the_true_vocabulary():
 def test_generate_refuses_a_tokenizer_of_another_vocabulary(corpus_prefix, tmp_path):
     """The logits cover the model's vocab_size tokens only; a tokenizer of another size (here the
     corpus's 8,000 pieces against a 300-token model) is an error, not out-of-range ids."""
-    from models.gpt_checkpoint import write_gpt_checkpoint
+    from megazero.checkpoint.model_files import write_weights_checkpoint
     from scripts.generate import main as generate
 
     model = _pair(GPT, GPTConfig)[0]
-    write_gpt_checkpoint(model.config, {n: p.detach() for n, p in model.named_parameters()}, str(tmp_path))
+    write_weights_checkpoint(model.config, {n: p.detach() for n, p in model.named_parameters()}, str(tmp_path),
+                             model_class=GPT)
     with pytest.raises(ValueError, match="has 8000 pieces but the model .* was trained with vocab_size 300"):
         generate(["--load", str(tmp_path), "--tokenizer-model", corpus_prefix + "_tokenizer.model"])

@@ -1,0 +1,104 @@
+"""This rank's module for a model config and the parallel grid: the one place where the parallel
+layout shapes a model (in the manner of torchtitan's `parallelize_llama`).
+
+    model = parallelize(GPTConfig(...), grid)   # grid from megazero.parallel_state; None: one process
+
+What it decides, for this rank of the grid:
+- tensor / sequence parallelism: the model is built over the grid's tensor-parallel group, so its
+  column/row-parallel linears, vocab-parallel embedding and LayerNorms hold this rank's shard
+  (and split activations along the sequence where config.sequence_parallel is set); the config's
+  tensor_model_parallel_size must be the grid's;
+- the pipeline stage: which of the config's layers this stage holds (`stage_layers`: contiguous
+  ranges balanced by parameter count), whether it embeds (first stage) and holds the head and
+  loss (last stage), and so whether its word embedding is tied to a copy on another stage;
+- recomputation and fused kernels: the config's recompute_granularity / recompute_num_layers
+  (whole layers, the first N of each stage, or the attention core) and fused_kernels (megazero's
+  CUDA LayerNorm and bias + GeLU on GPUs, where built) are what the layers built here apply.
+
+The models themselves (models/gpt.py, models/bert.py) take these as constructor arguments and
+know nothing of the grid; the engine and checkpoints ask them only through the model contract
+(megazero.model_contract, models/README.md). A new model gets one line in MODELS and a layer
+weight function in _STAGE_WEIGHTS.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megazero.parallel_state import ParallelGrid
+from megazero.pipeline.partition import balanced_stage_layers
+from models.bert import Bert, BertConfig
+from models.common import ModelConfig
+from models.gpt import GPT, GPTConfig
+
+MODELS: dict[type, type[torch.nn.Module]] = {GPTConfig: GPT, BertConfig: Bert}
+
+
+def model_class(config: ModelConfig) -> type[torch.nn.Module]:
+    """The model class a config builds (GPT for a GPTConfig, Bert for a BertConfig)."""
+    for config_class, cls in MODELS.items():
+        if isinstance(config, config_class):
+            return cls
+    raise TypeError(f"no model for a {type(config).__name__}: models/parallelize.py MODELS knows "
+                    f"{', '.join(c.__name__ for c in MODELS)}")
+
+
+def _block_weight(config: ModelConfig) -> int:
+    """Parameters of one transformer layer: attention, MLP, two LayerNorms."""
+    h, ffn = config.hidden_size, config.ffn_hidden_size
+    return 4 * h * h + 4 * h + 2 * h * ffn + ffn + h + 4 * h
+
+
+def _gpt_weights(config: GPTConfig) -> tuple[int, int]:
+    """(first stage's extra, last stage's extra): embeddings; final LayerNorm and the tied output
+    layer's copy."""
+    h, embedding = config.hidden_size, config.padded_vocab_size * config.hidden_size
+    return embedding + config.seq_length * h, embedding + 2 * h
+
+
+def _bert_weights(config: BertConfig) -> tuple[int, int]:
+    """(first stage's extra, last stage's extra): embeddings; the MLM and sentence heads."""
+    h, embedding = config.hidden_size, config.padded_vocab_size * config.hidden_size
+    heads = embedding + 2 * h * h + 2 * h + config.padded_vocab_size
+    return embedding + (config.seq_length + config.num_token_types) * h, heads
+
+
+_STAGE_WEIGHTS = {GPTConfig: _gpt_weights, BertConfig: _bert_weights}
+
+
+def stage_layers(config: ModelConfig, num_stages: int) -> list[range]:
+    """Each pipeline stage's layers, balanced by parameter count (the embeddings count on the first
+    stage, the head and the tied output layer's copy on the last)."""
+    weights = next((fn for cls, fn in _STAGE_WEIGHTS.items() if isinstance(config, cls)), None)
+    if weights is None:
+        raise TypeError(f"no pipeline stage weights for a {type(config).__name__} in models/parallelize.py")
+    first_extra, last_extra = weights(config)
+    return balanced_stage_layers([_block_weight(config)] * config.num_layers, num_stages, first_extra, last_extra)
+
+
+def build_stage(config: ModelConfig, stage: int = 0, num_stages: int = 1, tp_group=None) -> torch.nn.Module:
+    """Pipeline stage `stage` of `num_stages` of the model, over `tp_group` (None: unsharded), on
+    the current default device. Also builds the stages of another layout (checkpoint conversion
+    builds them on the meta device)."""
+    layers = stage_layers(config, num_stages)[stage]
+    return model_class(config)(config, tp_group, layers, pre_process=stage == 0, post_process=stage == num_stages - 1)
+
+
+def _check_grid(config: ModelConfig, grid: ParallelGrid) -> None:
+    if config.tensor_model_parallel_size != grid.tensor_model_parallel_size:
+        raise ValueError(f"{type(config).__name__}.tensor_model_parallel_size is {config.tensor_model_parallel_size} "
+                         f"but the grid's tensor-parallel size is {grid.tensor_model_parallel_size}: set the config's "
+                         f"to the grid's")
+
+
+def parallelize(config: ModelConfig, grid: ParallelGrid | None = None) -> torch.nn.Module:
+    """This rank's module: its tensor-parallel shard of its pipeline stage of the model `config`
+    describes (GPTConfig: GPT, BertConfig: Bert), with the config's recomputation and fused
+    kernels; without a grid, the whole model in one process. Every rank draws the same random
+    numbers here (one seed per layer), so each shard and stage starts as the slice of the
+    single-process model built after the same seed."""
+    cls = model_class(config)
+    if grid is None:
+        return cls(config)
+    _check_grid(config, grid)
+    return build_stage(config, grid.pp_rank, grid.pipeline_model_parallel_size, grid.tp_group)
