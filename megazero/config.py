@@ -281,6 +281,12 @@ class EngineConfig:
     activation_checkpointing: ActivationCheckpointingConfig | None = None
     seed: int | None = None
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    # megazero's own key (DeepSpeed has none): after this many consecutive skipped optimizer steps
+    # (fp16 overflows, inf/nan gradients or forward losses in any precision) the run stops with
+    # megazero.numerics.NumericsError; 0 = never. 100 is longer than any loss-scale search a
+    # healthy fp16 run makes (from 2**64, the largest initial_scale_power, to a scale of 1 is 65
+    # skips with the default hysteresis 2), yet stops a diverged run instead of skipping forever
+    max_consecutive_skipped_steps: int = 100
 
     @property
     def compute_dtype(self):
@@ -302,6 +308,7 @@ _TOP_LEVEL_SCALARS = {
     "steps_per_print": int,
     "wall_clock_breakdown": bool,
     "seed": int | None,
+    "max_consecutive_skipped_steps": int,
 }
 _SECTIONS = {
     "optimizer": OptimizerConfig,
@@ -393,4 +400,7 @@ def parse_config(source: str | os.PathLike | dict, data_parallel_size: int) -> E
         raise ConfigError(f"'gradient_clipping' must be >= 0 (0 = off), got {config.gradient_clipping}")
     if config.steps_per_print < 1:
         raise ConfigError(f"'steps_per_print' must be >= 1, got {config.steps_per_print}")
+    if config.max_consecutive_skipped_steps < 0:
+        raise ConfigError(f"'max_consecutive_skipped_steps' must be >= 0 (0 = off), "
+                          f"got {config.max_consecutive_skipped_steps}")
     return config

@@ -61,6 +61,10 @@ class ReplicatedState:
             local = all_reduce_values([local], group=model_parallel_group)[0]
         return local ** 0.5
 
+    def nonfinite_params(self) -> list[torch.nn.Parameter]:
+        """The parameters whose reduced gradient holds an inf or nan (for the error that stops a run)."""
+        return [p for p in self.layout.params if not bool(torch.isfinite(self.grads.grad(p)).all())]
+
     def sync_grads(self, params: list[torch.nn.Parameter], group) -> None:
         """Sum the reduced gradients of `params` over `group` (tied weights on other pipeline stages)."""
         for p in params:
