@@ -70,7 +70,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         # skipped steps in a row (any cause), toward config.max_consecutive_skipped_steps (not saved in
         # checkpoints: a resumed run counts afresh); megazero.numerics says what stops the run
         self.consecutive_skipped_steps = 0
-        self._loss_finite: list[torch.Tensor] = []  # one device flag per backward since the last step
+        self._loss_guards: list[torch.Tensor] = []  # per backward since the last step: 1.0, or nan for a bad loss
         self._numerics_error = None  # raised by step() once the step's counters are updated
         self.last_grad_norm: float | None = None
         self.last_step_overflowed = False
@@ -170,9 +170,9 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         every gradient (megazero.numerics.loss_guard), so the step's global overflow test skips it on
         every rank and it counts toward max_consecutive_skipped_steps, as DeepSpeed's fp16 treats a
         nan loss. The check stays on the device (no host sync per micro-batch): 3 scalar kernels."""
-        finite, factor = loss_guard(loss)
-        self._loss_finite.append(finite)
-        return loss.float() * (self.loss_scaler.scale / accumulation) * factor
+        guard = loss_guard(loss)
+        self._loss_guards.append(guard)
+        return loss.float() * (self.loss_scaler.scale / accumulation) * guard
 
     def _backward(self, output: torch.Tensor, output_grad: torch.Tensor | None = None) -> None:
         reduces = self._reduces_this_backward(self.is_gradient_accumulation_boundary())
@@ -220,7 +220,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
             self.loss_scaler.update(True)
             return
         self.consecutive_skipped_steps = 0
-        self._loss_finite.clear()
+        self._loss_guards.clear()
         divisor = scale
         clip = self.config.gradient_clipping
         if clip > 0 and grad_norm > clip:
@@ -362,7 +362,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         """Count a skipped step; at max_consecutive_skipped_steps build the NumericsError step() raises
         (collectively, while the gradients are still there to name the first non-finite one)."""
         self.consecutive_skipped_steps += 1
-        losses, self._loss_finite = self._loss_finite, []
+        losses, self._loss_guards = self._loss_guards, []
         limit = self.config.max_consecutive_skipped_steps
         if limit and self.consecutive_skipped_steps >= limit:
             self._numerics_error = numerics_error(self, grad_norm, losses)
