@@ -15,7 +15,14 @@ import time
 import numpy as np
 import pytest
 
-from megazero.data import DatasetFormatError, GPTDataset, IndexedDataset, SentencePieceTokenizer, check_token_ids
+from megazero.data import (
+    DatasetFormatError,
+    GPTDataset,
+    IndexedDataset,
+    SentencePieceTokenizer,
+    check_token_ids,
+    write_indexed_dataset,
+)
 from megazero.data.bert_dataset import BertDataset
 from megazero.data.indexed_dataset import MAGIC
 from tests.conftest import REPO
@@ -139,6 +146,16 @@ def test_corrupt_idx_header(made, tmp_path, fault):
     if fault == "wrong_code":
         assert ("before it, in int32); corrupt header (they are offsets of int16 or uint16 tokens: "
                 "a wrong dtype code?)") in message
+
+
+def test_wrong_dtype_code_of_a_single_sequence(tmp_path):
+    """One sequence: its pointer (0) fits any dtype, so the .bin's size is what tells."""
+    prefix = str(tmp_path / "one")
+    write_indexed_dataset(prefix, [np.arange(300, dtype=np.uint16)], np.uint16)
+    _patch(prefix + ".idx", CODE_AT, struct.pack("<B", 4))  # int32
+    assert _error(prefix) == (f"{prefix}.bin: 600 bytes, but {prefix}.idx describes 1200 (300 tokens of int32); "
+                              f"truncated or mismatched (that is the size of 300 tokens of int16 or uint16: "
+                              f"a wrong dtype code?)")
 
 
 def test_tokenizer_smaller_than_the_data_vocab(made):
