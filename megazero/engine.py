@@ -23,6 +23,7 @@ from megazero.config import EngineConfig
 from megazero.engine_api import DeepSpeedEngineAPI
 from megazero.model_contract import HIDDEN_STATES, tied_parameters
 from megazero.monitor import Monitor
+from megazero.numerics import loss_guard, numerics_error
 from megazero.optim.protocol import GradScaleTaker, takes_grad_scale, writes_copies
 from megazero.parallel_state import ParallelGrid
 from megazero.precision import LossScaler
@@ -69,6 +70,11 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         # skipped steps whose gradients were inf/nan with no dynamic loss scale to blame (fp32, bf16,
         # static fp16): a diverging run, not a loss-scale search; reported, never skipped silently
         self.nan_steps = 0
+        # skipped steps in a row (any cause), toward config.max_consecutive_skipped_steps (not saved in
+        # checkpoints: a resumed run counts afresh); megazero.numerics says what stops the run
+        self.consecutive_skipped_steps = 0
+        self._loss_guards: list[torch.Tensor] = []  # per backward since the last step: 1.0, or nan for a bad loss
+        self._numerics_error = None  # raised by step() once the step's counters are updated
         self.last_grad_norm: float | None = None
         self.last_step_overflowed = False
         self.last_flops_profile: str | None = None
@@ -161,9 +167,17 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Backward of loss * loss_scale / accumulation_steps; reduces gradients on the boundary."""
-        scaled = loss.float() * (self.loss_scaler.scale / self.gradient_accumulation_steps())
-        self._backward(scaled)
+        self._backward(self._scaled_loss(loss, self.gradient_accumulation_steps()))
         return loss
+
+    def _scaled_loss(self, loss: torch.Tensor, accumulation: int) -> torch.Tensor:
+        """loss * loss_scale / accumulation in fp32, checked before backward: a non-finite loss poisons
+        every gradient (megazero.numerics.loss_guard), so the step's global overflow test skips it on
+        every rank and it counts toward max_consecutive_skipped_steps, as DeepSpeed's fp16 treats a
+        nan loss. The check stays on the device (no host sync per micro-batch): 3 scalar kernels."""
+        guard = loss_guard(loss)
+        self._loss_guards.append(guard)
+        return loss.float() * (self.loss_scaler.scale / accumulation) * guard
 
     def _backward(self, output: torch.Tensor, output_grad: torch.Tensor | None = None) -> None:
         reduces = self._reduces_this_backward(self.is_gradient_accumulation_boundary())
@@ -187,6 +201,9 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
             if self.global_steps % self.config.steps_per_print == 0:
                 self._report_progress()
         self.micro_steps += 1
+        if self._numerics_error is not None:  # after the counters: the engine stays consistent
+            error, self._numerics_error = self._numerics_error, None
+            raise error
 
     def _optimizer_step(self) -> None:
         self.timers("backward_reduce").start()
@@ -203,9 +220,12 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
             self.skipped_steps += 1
             if not self.loss_scaler.dynamic:
                 self._report_nan_step(grad_norm)
+            self._count_skipped_step(grad_norm)
             self.dp.start_window()
             self.loss_scaler.update(True)
             return
+        self.consecutive_skipped_steps = 0
+        self._loss_guards.clear()
         divisor = scale
         clip = self.config.gradient_clipping
         if clip > 0 and grad_norm > clip:
@@ -297,7 +317,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
 
         def backward_step(m: int, output: torch.Tensor, output_grad: torch.Tensor | None) -> None:
             if output_grad is None:  # the last stage's output is the loss
-                output = output.float() * (self.loss_scaler.scale / micro)
+                output = self._scaled_loss(output, micro)
             self._backward(output, output_grad)
             if m < micro - 1:
                 self.step()
@@ -350,6 +370,15 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
             print(f"[megazero] step {self.global_steps + 1} skipped: the gradient norm is {grad_norm} under "
                   f"{str(self.config.compute_dtype).replace('torch.', '')} without dynamic loss scaling "
                   f"({self.nan_steps} such steps so far)", flush=True)
+
+    def _count_skipped_step(self, grad_norm: float) -> None:
+        """Count a skipped step; at max_consecutive_skipped_steps build the NumericsError step() raises
+        (collectively, while the gradients are still there to name the first non-finite one)."""
+        self.consecutive_skipped_steps += 1
+        losses, self._loss_guards = self._loss_guards, []
+        limit = self.config.max_consecutive_skipped_steps
+        if limit and self.consecutive_skipped_steps >= limit:
+            self._numerics_error = numerics_error(self, grad_norm, losses)
 
     def _report_progress(self) -> None:
         if self.global_rank == 0:

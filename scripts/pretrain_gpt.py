@@ -13,6 +13,7 @@ import os
 
 from megazero import training
 from megazero.data import GPTDataset, IndexedDataset
+from megazero.data.vocab_check import check_token_ids
 from megazero.profiling import gpt_flops_per_token
 from models.common import count_parameters
 from models.gpt import GPT, GPTConfig
@@ -43,6 +44,8 @@ def main(argv=None) -> dict:
     # the data: P_train/P_valid_text_document, and the unigram entropy validation is compared with
     train_data = GPTDataset(IndexedDataset(args.data_path + "_train_text_document"), args.seq_length, seed=args.seed)
     valid_data = GPTDataset(IndexedDataset(args.data_path + "_valid_text_document"), args.seq_length, shuffle=False)
+    for data in (train_data, valid_data):  # ids beyond the tokenizer's vocabulary: stop before any step
+        check_token_ids(data.indexed, tokenizer.vocab_size, args.tokenizer_model)
     stats_path = args.data_path + "_stats.json"
     unigram = json.load(open(stats_path)).get("unigram_entropy_nats") if os.path.exists(stats_path) else None
 

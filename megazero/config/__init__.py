@@ -237,6 +237,12 @@ class EngineConfig(Section):
         None, description="activation checkpointing options (absent: configure() is not called)")
     seed: Int | None = Field(None, ge=0, lt=2**32, description="seed python, numpy and torch before building")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="checkpoint tag checks")
+    # megazero's own key (DeepSpeed has none). 100 is longer than any loss-scale search a healthy fp16
+    # run makes (from 2**64, the largest initial_scale_power, to a scale of 1 is 65 skips with the
+    # default hysteresis 2), yet stops a diverged run instead of letting it skip forever
+    max_consecutive_skipped_steps: Int = Field(
+        100, ge=0, description="stop with NumericsError after this many consecutive skipped steps (fp16 "
+                               "overflows, inf/nan gradients or losses in any precision); 0 = never")
 
     _data_parallel_size: int = PrivateAttr(1)
 

@@ -9,6 +9,8 @@ from megazero.data.indexed_dataset import (
 )
 from megazero.data.loader import DistributedBatchLoader, MultiEpochDataset, collate
 from megazero.data.tokenizer import SentencePieceTokenizer, train_sentencepiece
+from megazero.data.vocab_check import check_token_ids, token_id_range
 
 __all__ = ["GPTDataset", "IndexedDataset", "DatasetFormatError", "best_dtype", "write_indexed_dataset",
-           "DistributedBatchLoader", "MultiEpochDataset", "collate", "SentencePieceTokenizer", "train_sentencepiece"]
+           "DistributedBatchLoader", "MultiEpochDataset", "collate", "SentencePieceTokenizer", "train_sentencepiece",
+           "check_token_ids", "token_id_range"]

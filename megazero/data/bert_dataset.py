@@ -21,6 +21,7 @@ import torch
 
 from megazero.data.indexed_dataset import IndexedDataset
 from megazero.data.loader import MultiEpochDataset
+from megazero.data.vocab_check import check_token_ids
 
 
 class BertDataset(MultiEpochDataset):
@@ -36,6 +37,7 @@ class BertDataset(MultiEpochDataset):
         self.seed, self.masked_lm_prob, self.binary_head, self.shuffle = seed, masked_lm_prob, binary_head, shuffle
         if binary_head not in ("sop", "nsp"):
             raise ValueError(f"binary_head must be 'sop' or 'nsp', got {binary_head!r}")
+        check_token_ids(indexed, vocab_size)  # ids past the tokenizer's vocab: another tokenizer's data
         self.chunks, self.chunk_documents = self._build_chunks()
         if not self.chunks:
             raise ValueError(f"{indexed.prefix}: no document has two sentences that fit in seq_length {seq_length}")

@@ -7,6 +7,7 @@ import torch
 
 from megazero.data.indexed_dataset import IndexedDataset
 from megazero.data.loader import MultiEpochDataset
+from megazero.data.vocab_check import check_token_ids
 
 
 class GPTDataset(MultiEpochDataset):
@@ -15,13 +16,17 @@ class GPTDataset(MultiEpochDataset):
     Windows share one token with the next (the last label is the next window's first input), as
     in Megatron. With `shuffle`, epoch e visits the windows in a permutation drawn from seed + e,
     and any index >= len() continues into later epochs, so a loader can run for as many samples
-    as training needs. Items are {"input_ids": int64[T], "labels": int64[T]}.
+    as training needs. Items are {"input_ids": int64[T], "labels": int64[T]}. With `vocab_size`
+    (the tokenizer's), every token id is checked to be below it first (one pass over the .bin).
     """
 
-    def __init__(self, indexed: IndexedDataset, seq_length: int, seed: int = 1234, shuffle: bool = True):
+    def __init__(self, indexed: IndexedDataset, seq_length: int, seed: int = 1234, shuffle: bool = True,
+                 vocab_size: int | None = None):
         if indexed.num_tokens < seq_length + 1:
             raise ValueError(f"{indexed.prefix}: {indexed.num_tokens} tokens, fewer than one sample of "
                              f"seq_length {seq_length} + 1")
+        if vocab_size is not None:
+            check_token_ids(indexed, vocab_size)
         self.indexed = indexed
         self.seq_length = seq_length
         self.seed = seed

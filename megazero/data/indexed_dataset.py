@@ -31,6 +31,14 @@ class DatasetFormatError(ValueError):
     """An .idx/.bin pair is truncated, mismatched or not in this format."""
 
 
+def _dtype_hint(actual: int, tokens: int, dtype: np.dtype) -> str:
+    """When the .bin's size is that of the same tokens in another dtype, say so: the .idx's dtype
+    code is then the likely culprit, not a truncation."""
+    fits = [np.dtype(d).name for d in DTYPE_CODES.values()
+            if np.dtype(d) != dtype and tokens * np.dtype(d).itemsize == actual]
+    return f" (that is the size of {tokens} tokens of {' or '.join(fits)}: a wrong dtype code?)" if fits else ""
+
+
 def best_dtype(vocab_size: int) -> np.dtype:
     """uint16 when every id fits, else int32."""
     return np.dtype(np.uint16) if vocab_size < 65500 else np.dtype(np.int32)
@@ -81,24 +89,31 @@ class IndexedDataset:
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"indexed dataset file not found: {path}")
         self._read_index(idx_path)
-        expected = int(self.sizes.sum()) * self.dtype.itemsize
+        tokens = int(self.sizes.sum())
+        expected = tokens * self.dtype.itemsize
         actual = os.path.getsize(bin_path)
         if actual != expected:
             raise DatasetFormatError(f"{bin_path}: {actual} bytes, but {idx_path} describes {expected} "
-                                     f"({int(self.sizes.sum())} tokens of {self.dtype.name}); truncated or mismatched")
+                                     f"({tokens} tokens of {self.dtype.name}); truncated or mismatched"
+                                     f"{_dtype_hint(actual, tokens, self.dtype)}")
         self.tokens = np.memmap(bin_path, dtype=self.dtype, mode="r") if expected else np.zeros(0, self.dtype)
 
     def _read_index(self, path: str) -> None:
         with open(path, "rb") as f:
             data = f.read()
         header = len(MAGIC) + 8 + 1 + 8 + 8
-        if len(data) < header or data[:len(MAGIC)] != MAGIC:
-            raise DatasetFormatError(f"{path}: not an MMIDIDX index (bad magic or too short)")
+        if data[:len(MAGIC)] != MAGIC:
+            raise DatasetFormatError(f"{path}: not an MMIDIDX index (bad magic): starts with {data[:len(MAGIC)]!r}, "
+                                     f"expected {MAGIC!r}")
+        if len(data) < header:
+            raise DatasetFormatError(f"{path}: not an MMIDIDX index (too short): {len(data)} bytes, expected at "
+                                     f"least the {header}-byte header")
         version, code, count, doc_count = struct.unpack_from("<QBQQ", data, len(MAGIC))
         if version != VERSION:
             raise DatasetFormatError(f"{path}: version {version}, expected {VERSION}")
         if code not in DTYPE_CODES:
-            raise DatasetFormatError(f"{path}: unknown dtype code {code}")
+            known = ", ".join(f"{k} {np.dtype(v).name}" for k, v in DTYPE_CODES.items())
+            raise DatasetFormatError(f"{path}: unknown dtype code {code}, expected one of {known}")
         need = header + count * 4 + count * 8 + doc_count * 8
         if len(data) != need:
             raise DatasetFormatError(f"{path}: {len(data)} bytes, expected {need} for {count} sequences; "
@@ -107,6 +122,30 @@ class IndexedDataset:
         self.sizes = np.frombuffer(data, np.int32, count, header)
         self.pointers = np.frombuffer(data, np.int64, count, header + count * 4)
         self.document_indices = np.frombuffer(data, np.int64, doc_count, header + count * 12)
+        self._check_index(path)
+
+    def _check_index(self, path: str) -> None:
+        """The header's arrays must agree with one another (vectorised, O(sequences)): a corrupt
+        size or pointer would otherwise read the wrong tokens without any error."""
+        if len(self.sizes) and int(self.sizes.min()) < 0:
+            i = int(np.argmin(self.sizes))
+            raise DatasetFormatError(f"{path}: sequence {i} has size {int(self.sizes[i])}, expected >= 0; corrupt")
+        starts = np.zeros(len(self.sizes), dtype=np.int64)  # in tokens
+        np.cumsum(self.sizes[:-1], dtype=np.int64, out=starts[1:])
+        wrong = np.flatnonzero(self.pointers != starts * self.dtype.itemsize)
+        if len(wrong):
+            i = int(wrong[0])
+            fits = [np.dtype(d).name for d in DTYPE_CODES.values() if np.dtype(d) != self.dtype
+                    and np.array_equal(self.pointers, starts * np.dtype(d).itemsize)]
+            hint = f" (they are offsets of {' or '.join(fits)} tokens: a wrong dtype code?)" if fits else ""
+            raise DatasetFormatError(f"{path}: sequence {i} starts at byte {int(self.pointers[i])}, expected "
+                                     f"{int(starts[i]) * self.dtype.itemsize} (the sizes of the sequences before it, "
+                                     f"in {self.dtype.name}); corrupt header{hint}")
+        docs = self.document_indices
+        if len(docs) == 0 or docs[0] != 0 or docs[-1] != len(self.sizes) or np.any(np.diff(docs) < 0):
+            found = f"{int(docs[0])} .. {int(docs[-1])}" if len(docs) else "nothing"
+            raise DatasetFormatError(f"{path}: document index must rise from 0 to the sequence count "
+                                     f"{len(self.sizes)}, found {found}; corrupt header")
 
     def __len__(self) -> int:
         return len(self.sizes)

@@ -33,6 +33,19 @@ class MasterPartitions:
             total = all_reduce_sum(total, group=model_parallel_group)
         return total.item() ** 0.5  # the step's one host sync: it decides skip and clip
 
+    def nonfinite_params(self) -> list[torch.nn.Parameter]:
+        """The parameters whose piece of this rank's reduced gradient partition holds an inf or nan
+        (for the error that stops a run; other ranks check their own pieces)."""
+        found = []
+        for part in self.parts:
+            offsets = [b.partition_offset for b in part.layout.buckets]
+            for frag in part.layout.fragments(part.rank):
+                view = bisect.bisect_right(offsets, frag.partition_start) - 1
+                start = frag.partition_start - offsets[view]
+                if not bool(torch.isfinite(part.grad_views[view][start:start + frag.numel]).all()):
+                    found.append(frag.param)
+        return found
+
     def sync_grads(self, params: list[torch.nn.Parameter], group) -> None:
         """Sum the reduced gradients of `params` over `group` (tied weights on other pipeline stages).
         Each must have been isolated in its own layout, so its partitions line up on every stage."""

@@ -63,6 +63,10 @@ class ReplicatedState:
             total = all_reduce_sum(total, group=model_parallel_group)
         return total.item() ** 0.5  # the step's one host sync: it decides skip and clip
 
+    def nonfinite_params(self) -> list[torch.nn.Parameter]:
+        """The parameters whose reduced gradient holds an inf or nan (for the error that stops a run)."""
+        return [p for p in self.layout.params if not bool(torch.isfinite(self.grads.grad(p)).all())]
+
     def sync_grads(self, params: list[torch.nn.Parameter], group) -> None:
         """Sum the reduced gradients of `params` over `group` (tied weights on other pipeline stages)."""
         for p in params:
