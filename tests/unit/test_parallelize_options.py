@@ -26,10 +26,16 @@ def _built(build, config):
     return build(config)
 
 
+def _ids() -> torch.Tensor:
+    """A fixed batch of 2 sequences (inputs and shifted labels)."""
+    generator = torch.Generator().manual_seed(1)
+    return torch.randint(0, SHAPE["vocab_size"], (2, SHAPE["seq_length"] + 1), generator=generator)
+
+
 def _checkpoints(model: torch.nn.Module) -> int:
     """Checkpointed forwards in one forward/backward of `model` on a GPT batch."""
     get_rng_tracker().reset()
-    ids = torch.randint(0, SHAPE["vocab_size"], (2, SHAPE["seq_length"] + 1), generator=torch.Generator().manual_seed(1))
+    ids = _ids()
     ac.configure()
     try:
         model(ids[:, :-1], ids[:, 1:]).backward()
@@ -96,7 +102,7 @@ def test_names_and_state_dict_are_the_plain_models(config):
 
 def test_on_the_cpu_the_fused_recomputed_gpt_computes_the_plain_one_bit_for_bit():
     config = GPTConfig(**SHAPE, recompute_granularity="full")
-    ids = torch.randint(0, SHAPE["vocab_size"], (2, SHAPE["seq_length"] + 1), generator=torch.Generator().manual_seed(1))
+    ids = _ids()
     results = []
     for build in (GPT, parallelize):
         model = _built(build, config)
