@@ -127,7 +127,8 @@ def apply_recompute(model: nn.Module, config: ModelConfig) -> None:
     input; "selective": every attention core (`block.attn.core`) keeps only q, k and v.
 
     A layer's input is the same on every TP rank unless sequence parallelism splits it; q, k and
-    v are this rank's heads, never partitionable."""
+    v are this rank's heads, never partitionable. Generation with GPT's KV cache runs without
+    gradients (GPT.generate), so it recomputes nothing (a recompute would write the cache twice)."""
     if config.recompute_granularity == "full":
         layers = config.recompute_num_layers if config.recompute_num_layers is not None else len(model.blocks)
         for block in list(model.blocks)[:layers]:
