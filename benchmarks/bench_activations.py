@@ -21,6 +21,7 @@ import torch
 
 from megazero.profiling.memory import ActivationMeter
 from models.gpt import GPT, GPTConfig
+from models.parallelize import apply_recompute
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -36,8 +37,7 @@ def measure(args, dropout: float) -> dict:
     for name, granularity in MODES.items():
         model = copy.deepcopy(base)
         model.config = GPTConfig(**{**config.to_dict(), "recompute_granularity": granularity})
-        for block in model.blocks:
-            block.attn.recompute_core = granularity == "selective"
+        apply_recompute(model, model.config)
         models[name] = model
     ids = torch.randint(0, config.vocab_size, (args.micro_batch, config.seq_length + 1),
                         generator=torch.Generator().manual_seed(1))

@@ -5,10 +5,12 @@ Plain and meant to be forked, built like models/gpt.py: Megatron's tensor-parall
 layers without a tp_group), one seed per layer so every shard and pipeline stage starts as the
 slice of the single-process model, and `layers` / `pre_process` / `post_process` to build a
 pipeline stage (chosen for each rank by models/parallelize.py). Post-LayerNorm (the original
-BERT) or pre-LayerNorm blocks. Recomputation (`recompute_granularity` full: whole layers, the
-first `recompute_num_layers` of each stage; selective: the attention core) and sequence
-parallelism (LayerNorm, dropout and residual activations split along the sequence over the TP
-ranks) as in models/gpt.py.
+BERT) or pre-LayerNorm blocks. Sequence parallelism (LayerNorm, dropout and residual activations
+split along the sequence over the TP ranks) as in models/gpt.py.
+
+Bert(config) is the plain model, without recomputation: models/parallelize.py applies the
+config's `recompute_granularity` (full: whole layers, the first `recompute_num_layers` of each
+stage; selective: the attention core), as for GPT. BERT has no fused kernels.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megazero import tensor_parallel as tp
-from megazero.activation_checkpointing import checkpoint
 from megazero.tensor_parallel.random import get_rng_tracker
 from megazero.tensor_parallel.utils import set_tensor_parallel_attributes
 from models.common import ModelConfig, StageContract, check_tp_group, normal_init, seeded, vocabulary_init
@@ -45,6 +46,7 @@ class BertConfig(ModelConfig):
     num_token_types: int = 2
     post_layer_norm: bool = True  # BERT's original; False: pre-LayerNorm blocks and a final LayerNorm
     binary_head: str = "sop"  # "sop" (sentence order) or "nsp" (next sentence): a 2-way head on [CLS]
+    # applied by models/parallelize.py, not by Bert(config) (see the module docstring)
     recompute_granularity: str | None = None  # "full": whole layers; "selective": the attention core
     recompute_num_layers: int | None = None  # with "full": the first N layers of each stage (default: all)
     tensor_model_parallel_size: int = 1
@@ -77,6 +79,20 @@ def _dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool)
         return F.dropout(x, p, True)
 
 
+class Attention(nn.Module):
+    """softmax(q k^T / sqrt(d)) v over the tokens `attend` marks, with dropout: the attention core,
+    without parameters (its own module so that models/parallelize.py can recompute it alone)."""
+
+    def __init__(self, dropout: float):
+        super().__init__()
+        self.dropout = dropout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
+        with get_rng_tracker().fork():  # attention dropout differs between the TP ranks' heads
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attend,
+                                                  dropout_p=self.dropout if self.training else 0.0)
+
+
 class SelfAttention(nn.Module):
     """Bidirectional multi-head attention over the non-padding tokens; this TP rank's heads."""
 
@@ -87,24 +103,15 @@ class SelfAttention(nn.Module):
         sp = config.sequence_parallel
         self.qkv = tp.ColumnParallelLinear(config.hidden_size, 3 * config.hidden_size, tp_group,
                                            init_method=normal_init(0.02), stride=3, sequence_parallel=sp)
+        self.core = Attention(config.dropout)
         self.proj = tp.RowParallelLinear(config.hidden_size, config.hidden_size, tp_group,
                                          init_method=normal_init(0.02), sequence_parallel=sp)
-        self.dropout = config.dropout
-        self.recompute_core = config.recompute_granularity == "selective"
-
-    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
-        with get_rng_tracker().fork():  # attention dropout differs between the TP ranks' heads
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=attend,
-                                                  dropout_p=self.dropout if self.training else 0.0)
 
     def forward(self, x: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)  # [batch, seq, 3 * local heads * head_dim] (the whole sequence under SP)
         batch, seq, _ = qkv.shape
         q, k, v = (t.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2) for t in qkv.chunk(3, dim=2))
-        if self.recompute_core and torch.is_grad_enabled():  # selective recompute: only the attention core
-            y = checkpoint(lambda q, k, v: self._core(q, k, v, attend), q, k, v, partitionable=False)
-        else:
-            y = self._core(q, k, v, attend)
+        y = self.core(q, k, v, attend)
         return self.proj(y.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
 
 
@@ -205,15 +212,8 @@ class Bert(StageContract, nn.Module):
         (this rank's slice of the sequence under sequence parallelism)."""
         x = self.embed(input_ids, token_type_ids) if self.pre_process else hidden_states
         attend = padding_mask.bool()[:, None, None, :]  # every query sees the real tokens
-        full = self.config.recompute_granularity == "full" and torch.is_grad_enabled()
-        layers = self.config.recompute_num_layers  # per pipeline stage, as in Megatron
-        recompute = layers if layers is not None else len(self.blocks)
-        for i, block in enumerate(self.blocks):
-            if full and i < recompute:  # a layer input is the same on every TP rank unless split by SP
-                x = checkpoint(lambda h, block=block: block(h, attend), x,
-                               partitionable=not self.config.sequence_parallel)
-            else:
-                x = block(x, attend)
+        for block in self.blocks:
+            x = block(x, attend)
         return x
 
     def _cls_token(self, x: torch.Tensor) -> torch.Tensor:

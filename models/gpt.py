@@ -11,6 +11,10 @@ layers when `tp_group` is None (or has one rank). A pipeline stage is the same c
 layer is initialised from its own seed (drawn once from the default generator), so any stage, or
 any tensor-parallel shard, starts exactly as the slice of the single-process model built from the
 same seed.
+
+GPT(config) is the plain model: no recomputation, torch's kernels. The speed options of the
+config (recompute_granularity / recompute_num_layers, fused_kernels) are applied to it by
+models/parallelize.py: `parallelize(config, grid)` builds the module the recipes train.
 """
 
 from __future__ import annotations
@@ -24,8 +28,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megazero import tensor_parallel as tp
-from megazero.activation_checkpointing import checkpoint
-from megazero.ops.cuda_ops import bias_gelu
 from megazero.tensor_parallel.random import get_rng_tracker
 from models.common import ModelConfig, StageContract, check_tp_group, normal_init, seeded, vocabulary_init
 
@@ -44,6 +46,7 @@ class GPTConfig(ModelConfig):
     dropout: float = 0.0
     layernorm_epsilon: float = 1e-5
     make_vocab_size_divisible_by: int = 128
+    # applied by models/parallelize.py, not by GPT(config) (see the module docstring)
     recompute_granularity: str | None = None  # "full": whole layers; "selective": the attention core
     recompute_num_layers: int | None = None  # with "full": the first N layers of each stage (default: all)
     fused_kernels: bool = True  # on GPUs, megazero's CUDA LayerNorm and bias + GeLU (where built)
@@ -65,6 +68,24 @@ class GPTConfig(ModelConfig):
                              f"tensor_model_parallel_size {tp_size}")
 
 
+class CausalAttention(nn.Module):
+    """softmax(q k^T / sqrt(d), causal) v with dropout: the attention core, without parameters (its
+    own module so that models/parallelize.py can recompute it alone: selective recomputation)."""
+
+    def __init__(self, dropout: float):
+        super().__init__()
+        self.dropout = dropout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        past = k.shape[2] - q.shape[2]  # keys cached from earlier steps (generation)
+        mask = None
+        if past and q.shape[2] > 1:  # query i sees the cache and the first i + 1 new keys
+            mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(diagonal=past)
+        with get_rng_tracker().fork():  # attention dropout differs between the TP ranks' heads
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=past == 0,
+                                                  dropout_p=self.dropout if self.training else 0.0)
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention with a causal mask; this TP rank computes its share of the heads."""
 
@@ -77,19 +98,9 @@ class CausalSelfAttention(nn.Module):
         # fused [Q; K; V] rows, stride 3: each TP rank holds the Q, K and V rows of its heads
         self.qkv = tp.ColumnParallelLinear(config.hidden_size, 3 * config.hidden_size, tp_group,
                                            init_method=normal_init(0.02), stride=3, sequence_parallel=sp)
+        self.core = CausalAttention(config.dropout)
         self.proj = tp.RowParallelLinear(config.hidden_size, config.hidden_size, tp_group,
                                          init_method=normal_init(residual_std), sequence_parallel=sp)
-        self.dropout = config.dropout
-        self.recompute_core = config.recompute_granularity == "selective"
-
-    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        past = k.shape[2] - q.shape[2]  # keys cached from earlier steps (generation)
-        mask = None
-        if past and q.shape[2] > 1:  # query i sees the cache and the first i + 1 new keys
-            mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(diagonal=past)
-        with get_rng_tracker().fork():  # attention dropout differs between the TP ranks' heads
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=past == 0,
-                                                  dropout_p=self.dropout if self.training else 0.0)
 
     def forward(self, x: torch.Tensor, kv_cache: dict | None = None) -> torch.Tensor:
         qkv = self.qkv(x)  # [batch, seq, 3 * local heads * head_dim] (the full sequence under SP)
@@ -99,11 +110,7 @@ class CausalSelfAttention(nn.Module):
             if "k" in kv_cache:
                 k, v = torch.cat([kv_cache["k"], k], dim=2), torch.cat([kv_cache["v"], v], dim=2)
             kv_cache["k"], kv_cache["v"] = k, v
-        if self.recompute_core and torch.is_grad_enabled():  # selective recompute: only the attention core
-            y = checkpoint(self._core, q, k, v, partitionable=False)  # per-rank heads: never split
-        else:
-            y = self._core(q, k, v)
-        y = y.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim)
+        y = self.core(q, k, v).transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim)
         return self.proj(y)
 
 
@@ -118,11 +125,8 @@ class MLP(nn.Module):
                                           init_method=normal_init(0.02), sequence_parallel=sp)
         self.proj = tp.RowParallelLinear(config.ffn_hidden_size, config.hidden_size, tp_group,
                                          init_method=normal_init(residual_std), sequence_parallel=sp)
-        self.fused = config.fused_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused and x.is_cuda:
-            return self.proj(bias_gelu(self.fc(x, add_bias=False), self.fc.bias))
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
 
 
@@ -132,9 +136,9 @@ class Block(nn.Module):
     def __init__(self, config: GPTConfig, tp_group=None):
         super().__init__()
         sp = config.sequence_parallel
-        self.ln_1 = tp.LayerNorm(config.hidden_size, config.layernorm_epsilon, tp_group, sp, config.fused_kernels)
+        self.ln_1 = tp.LayerNorm(config.hidden_size, config.layernorm_epsilon, tp_group, sp)
         self.attn = CausalSelfAttention(config, tp_group)
-        self.ln_2 = tp.LayerNorm(config.hidden_size, config.layernorm_epsilon, tp_group, sp, config.fused_kernels)
+        self.ln_2 = tp.LayerNorm(config.hidden_size, config.layernorm_epsilon, tp_group, sp)
         self.mlp = MLP(config, tp_group)
         self.dropout = config.dropout
         self.sequence_parallel = sp
@@ -157,7 +161,8 @@ class GPT(StageContract, nn.Module):
     tp_group: tensor-parallel process group (None: one rank). layers / pre_process / post_process:
     build one pipeline stage (which of the config's layers; with the embeddings; with the final
     LayerNorm, head and loss). A stage without pre_process takes `hidden_states` instead of ids;
-    one without post_process returns its hidden states.
+    one without post_process returns its hidden states. The plain model: parallelize(config)
+    adds the config's recomputation and fused kernels.
     """
 
     def __init__(self, config: GPTConfig, tp_group=None, layers: range | None = None, pre_process: bool = True,
@@ -186,8 +191,7 @@ class GPT(StageContract, nn.Module):
                 blocks.append(Block(config, tp_group))
         self.blocks = nn.ModuleList(blocks)
         if post_process:
-            self.ln_f = tp.LayerNorm(config.hidden_size, config.layernorm_epsilon, tp_group, config.sequence_parallel,
-                                     config.fused_kernels)
+            self.ln_f = tp.LayerNorm(config.hidden_size, config.layernorm_epsilon, tp_group, config.sequence_parallel)
 
     def embed(self, input_ids: torch.Tensor, first_position: int = 0) -> torch.Tensor:
         """Token + position embeddings, with dropout (split along the sequence under SP)."""
@@ -230,14 +234,8 @@ class GPT(StageContract, nn.Module):
                 x = block(x, cache)
             return self.head(x, labels)
         x = self.embed(input_ids) if self.pre_process else hidden_states
-        full = self.config.recompute_granularity == "full" and torch.is_grad_enabled()
-        layers = self.config.recompute_num_layers  # per pipeline stage, as in Megatron
-        recompute = layers if layers is not None else len(self.blocks)
-        for i, block in enumerate(self.blocks):
-            if full and i < recompute:  # a layer input is the same on every TP rank unless split by SP
-                x = checkpoint(block, x, partitionable=not self.config.sequence_parallel)
-            else:
-                x = block(x)
+        for block in self.blocks:
+            x = block(x)
         return self.head(x, labels) if self.post_process else x
 
     @torch.no_grad()

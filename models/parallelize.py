@@ -11,12 +11,17 @@ What it decides, for this rank of the grid:
 - the pipeline stage: which of the config's layers this stage holds (`stage_layers`: contiguous
   ranges balanced by parameter count), whether it embeds (first stage) and holds the head and
   loss (last stage), and so whether its word embedding is tied to a copy on another stage;
-- recomputation and fused kernels: the config's recompute_granularity / recompute_num_layers
-  (whole layers, the first N of each stage, or the attention core) and fused_kernels (megazero's
-  CUDA LayerNorm and bias + GeLU on GPUs, where built) are what the layers built here apply.
+- recomputation (`apply_recompute`): config.recompute_granularity "full" recomputes whole layers
+  (the first recompute_num_layers of the stage, default all) in backward, "selective" only the
+  attention core;
+- fused kernels (`apply_fused_kernels`, GPT's config.fused_kernels): megazero's CUDA LayerNorm and
+  bias + GeLU in the MLP, on GPUs, where built.
 
-The models themselves (models/gpt.py, models/bert.py) take these as constructor arguments and
-know nothing of the grid; the engine and checkpoints ask them only through the model contract
+The models themselves (models/gpt.py, models/bert.py) are plain: they take the stage and the
+tp_group as constructor arguments, know nothing of the grid, and GPT(config) / Bert(config)
+recompute nothing and run torch's kernels. Recomputation and fused kernels change how a module
+runs, never its parameters: their names, the state dict and the model contract stay those of the
+plain model; the engine and checkpoints ask them only through the model contract
 (megazero.model_contract, models/README.md). A new model gets one line in MODELS and a layer
 weight function in _STAGE_WEIGHTS.
 """
@@ -24,12 +29,17 @@ weight function in _STAGE_WEIGHTS.
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
+from megazero import tensor_parallel as tp
+from megazero.activation_checkpointing import checkpoint
+from megazero.ops.cuda_ops import bias_gelu
 from megazero.parallel_state import ParallelGrid
 from megazero.pipeline.partition import balanced_stage_layers
 from models.bert import Bert, BertConfig
 from models.common import ModelConfig
-from models.gpt import GPT, GPTConfig
+from models.gpt import GPT, MLP, GPTConfig
 
 MODELS: dict[type, type[torch.nn.Module]] = {GPTConfig: GPT, BertConfig: Bert}
 
@@ -84,6 +94,75 @@ def build_stage(config: ModelConfig, stage: int = 0, num_stages: int = 1, tp_gro
     return model_class(config)(config, tp_group, layers, pre_process=stage == 0, post_process=stage == num_stages - 1)
 
 
+class Recomputed:
+    """A module's forward, recomputed in backward instead of keeping its activations, while
+    gradients are on (megazero.activation_checkpointing.checkpoint: the RNG states of the forward
+    are restored, so dropout masks and gradients are exactly those without recomputation).
+
+    The first `inputs` positional arguments are what the checkpoint keeps; the others (an
+    attention mask) are closed over. partitionable: the kept inputs are the same on every
+    tensor-parallel rank, so partition_activations may split them. Set as the module's own
+    `forward` (`recompute(module, ...)`): no new submodule, so parameter names do not change.
+    """
+
+    def __init__(self, module: nn.Module, inputs: int, partitionable: bool):
+        self.module, self.inputs, self.partitionable = module, inputs, partitionable
+
+    def __call__(self, *args):
+        forward = type(self.module).forward.__get__(self.module)  # the class's, not this wrapper
+        if not torch.is_grad_enabled():
+            return forward(*args)
+        kept, rest = args[:self.inputs], args[self.inputs:]
+        return checkpoint(lambda *kept: forward(*kept, *rest), *kept, partitionable=self.partitionable)
+
+
+def recompute(module: nn.Module, inputs: int, partitionable: bool) -> None:
+    """Recompute `module`'s forward in backward (see Recomputed)."""
+    module.forward = Recomputed(module, inputs, partitionable)
+
+
+def apply_recompute(model: nn.Module, config: ModelConfig) -> None:
+    """config.recompute_granularity on this stage's layers `model.blocks`: "full": the first
+    recompute_num_layers layers (all by default; per stage, as in Megatron) keep only their
+    input; "selective": every attention core (`block.attn.core`) keeps only q, k and v.
+
+    A layer's input is the same on every TP rank unless sequence parallelism splits it; q, k and
+    v are this rank's heads, never partitionable. Generation with GPT's KV cache runs without
+    gradients (GPT.generate), so it recomputes nothing (a recompute would write the cache twice)."""
+    if config.recompute_granularity == "full":
+        layers = config.recompute_num_layers if config.recompute_num_layers is not None else len(model.blocks)
+        for block in list(model.blocks)[:layers]:
+            recompute(block, inputs=1, partitionable=not config.sequence_parallel)
+    elif config.recompute_granularity == "selective":
+        for block in model.blocks:
+            recompute(block.attn.core, inputs=3, partitionable=False)
+
+
+class FusedBiasGeluMLP(nn.Module):
+    """GPT's MLP with gelu(fc(x) + bias) in megazero's fused kernel on GPUs (cuda_ops.bias_gelu:
+    torch's ops where the kernel is not built or does not take the input); on the CPU exactly
+    GPT's MLP. It holds the MLP's own fc and proj, so the parameter names are the MLP's."""
+
+    def __init__(self, mlp: MLP):
+        super().__init__()
+        self.fc, self.proj = mlp.fc, mlp.proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            return self.proj(bias_gelu(self.fc(x, add_bias=False), self.fc.bias))
+        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+
+
+def apply_fused_kernels(model: GPT) -> None:
+    """megazero's CUDA kernels in a GPT: every LayerNorm's (tp.LayerNorm.fused: on CUDA tensors,
+    where built) and bias + GeLU in every MLP (FusedBiasGeluMLP)."""
+    for module in model.modules():
+        if isinstance(module, tp.LayerNorm):
+            module.fused = True
+    for block in model.blocks:
+        block.mlp = FusedBiasGeluMLP(block.mlp)
+
+
 def _check_grid(config: ModelConfig, grid: ParallelGrid) -> None:
     if config.tensor_model_parallel_size != grid.tensor_model_parallel_size:
         raise ValueError(f"{type(config).__name__}.tensor_model_parallel_size is {config.tensor_model_parallel_size} "
@@ -97,8 +176,12 @@ def parallelize(config: ModelConfig, grid: ParallelGrid | None = None) -> torch.
     kernels; without a grid, the whole model in one process. Every rank draws the same random
     numbers here (one seed per layer), so each shard and stage starts as the slice of the
     single-process model built after the same seed."""
-    cls = model_class(config)
     if grid is None:
-        return cls(config)
-    _check_grid(config, grid)
-    return build_stage(config, grid.pp_rank, grid.pipeline_model_parallel_size, grid.tp_group)
+        model = model_class(config)(config)
+    else:
+        _check_grid(config, grid)
+        model = build_stage(config, grid.pp_rank, grid.pipeline_model_parallel_size, grid.tp_group)
+    apply_recompute(model, config)
+    if isinstance(config, GPTConfig) and config.fused_kernels:  # BertConfig has none: torch's kernels
+        apply_fused_kernels(model)
+    return model

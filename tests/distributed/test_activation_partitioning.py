@@ -10,7 +10,8 @@ import torch.distributed as dist
 import megazero.activation_checkpointing as ac
 from megazero import parallel_state, tensor_parallel
 from megazero.profiling.memory import ActivationMeter
-from models.gpt import GPT, GPTConfig
+from models.gpt import GPTConfig
+from models.parallelize import parallelize
 
 SMALL = dict(vocab_size=256, seq_length=16, num_layers=3, hidden_size=32, num_attention_heads=4,
              make_vocab_size_divisible_by=64, dropout=0.1)
@@ -29,7 +30,7 @@ def _grads(recompute: str | None, options: dict) -> tuple[dict, int]:
     tp = dist.get_world_size()
     grid = parallel_state.initialize_model_parallel(tp, 1)
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**SMALL, recompute_granularity=recompute, tensor_model_parallel_size=tp), grid.tp_group)
+    model = parallelize(GPTConfig(**SMALL, recompute_granularity=recompute, tensor_model_parallel_size=tp), grid)
     tensor_parallel.model_parallel_seed(2, grid.tp_rank)  # the dropout masks
     ids = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(1))
     ac.configure(parallel_state, **options)

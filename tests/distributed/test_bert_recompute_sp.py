@@ -13,7 +13,8 @@ import torch
 import megazero.activation_checkpointing as ac
 from megazero import parallel_state, tensor_parallel
 from megazero.profiling.memory import ActivationMeter
-from models.bert import Bert, BertConfig
+from models.bert import BertConfig
+from models.parallelize import parallelize
 from tests.bert_helpers import TINY_BERT, bert_dataset, train_bert, write_sentence_dataset
 from tests.training_helpers import NO_DROPOUT, base_config
 
@@ -36,8 +37,7 @@ def _gradients(prefix: str, overrides: dict, tp: int = 1) -> dict:
     """Gradients and kept activation bytes of one forward/backward (dropout on, fixed masks)."""
     grid = parallel_state.initialize_model_parallel(tp, 1) if tp > 1 else None
     torch.manual_seed(0)
-    model = Bert(BertConfig(**{**DROPOUT, **overrides, "tensor_model_parallel_size": tp}),
-                 grid.tp_group if grid else None)
+    model = parallelize(BertConfig(**{**DROPOUT, **overrides, "tensor_model_parallel_size": tp}), grid)
     tensor_parallel.model_parallel_seed(2, grid.tp_rank if grid else 0)  # the dropout masks
     ac.configure(parallel_state if grid else None)
     try:

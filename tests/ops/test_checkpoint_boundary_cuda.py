@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import megazero.activation_checkpointing as ac
-from models.gpt import GPT, GPTConfig
+from models.gpt import GPTConfig
+from models.parallelize import parallelize
 
 pytestmark = pytest.mark.cuda
 if not torch.cuda.is_available():
@@ -19,8 +20,9 @@ LAYERS = 3
 
 def _device_synchronizations(synchronize: bool) -> int:
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=256, seq_length=16, num_layers=LAYERS, hidden_size=32, num_attention_heads=4,
-                          make_vocab_size_divisible_by=64, dropout=0.1, recompute_granularity="full")).cuda()
+    config = GPTConfig(vocab_size=256, seq_length=16, num_layers=LAYERS, hidden_size=32, num_attention_heads=4,
+                       make_vocab_size_divisible_by=64, dropout=0.1, recompute_granularity="full")
+    model = parallelize(config).cuda()
     ids = torch.randint(0, 256, (4, 17), device="cuda")
     ac.configure(synchronize_checkpoint_boundary=synchronize)
     try:

@@ -43,7 +43,8 @@ import torch, torch.distributed as dist, megazero
 from megazero.distributed import all_reduce_sum
 from megazero.zero import Init
 from megazero.zero.master_partitions import SquaredNormSum
-from models.gpt import GPT, GPTConfig
+from models.gpt import GPTConfig
+from models.parallelize import parallelize
 from tests.training_helpers import TINY, base_config
 
 launch = megazero.init_distributed()  # LOCAL_RANK = the number of GPUs: an invalid ordinal before issue 15
@@ -74,12 +75,12 @@ def losses(model):
 
 megazero.set_seed(0)
 with Init() as init:
-    model = GPT(GPTConfig(**TINY))  # built on the CPU: partitioned straight onto the GPU
+    model = parallelize(GPTConfig(**TINY))  # built on the CPU: partitioned straight onto the GPU
 assert init.device == torch.device("cuda", torch.cuda.current_device()), init.device
 assert all(p.device.type == "cuda" and p._megazero_init_chunk.device.type == "cuda" for p in model.parameters())
 with_init = losses(model)
 megazero.set_seed(0)
-plain = losses(GPT(GPTConfig(**TINY)).cuda())
+plain = losses(parallelize(GPTConfig(**TINY)).cuda())  # fused kernels, as the recipes build it
 assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(with_init, plain)), (with_init, plain)
 print("zero.Init on the GPU trains like the plain model", with_init)
 """

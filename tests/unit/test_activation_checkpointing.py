@@ -8,6 +8,7 @@ import torch
 import megazero.activation_checkpointing as ac
 from megazero.tensor_parallel.random import get_rng_tracker
 from models.gpt import GPT, GPTConfig
+from models.parallelize import parallelize
 
 SMALL = dict(vocab_size=256, seq_length=16, num_layers=3, hidden_size=32, num_attention_heads=4,
              make_vocab_size_divisible_by=64, dropout=0.1)
@@ -19,7 +20,7 @@ def _run(recompute: str | None, layers: int | None = None, **options) -> tuple[d
     # draw from it, and from where the previous run left it
     get_rng_tracker().reset()
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**SMALL, recompute_granularity=recompute, recompute_num_layers=layers))
+    model = parallelize(GPTConfig(**SMALL, recompute_granularity=recompute, recompute_num_layers=layers))
     ids = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(1))
     ac.configure(**options)
     try:
