@@ -188,8 +188,8 @@ def _latest_problem(load_dir: str) -> tuple[str | None, str | None]:
     """(the tag `latest` names, why it cannot be loaded or None)."""
     try:
         tag = read_latest(load_dir)
-    except CheckpointError as e:
-        return None, str(e)
+    except CheckpointError:
+        return None, "does not hold a tag (not UTF-8 text)"
     if tag is None:
         return None, "is empty"
     try:

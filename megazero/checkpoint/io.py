@@ -215,15 +215,20 @@ def _barrier(group) -> None:
         dist.barrier(group=group)
 
 
-def _check_every_rank_sees(tmp: str, group) -> None:
-    """Collective, after rank 0 made `tmp`: raise on every rank, naming the ranks, when some rank
-    cannot see it (another save_dir on that rank, or a file system the nodes do not share)."""
+def _check_every_rank_sees(tmp: str, group, made_error: str | None = None) -> None:
+    """Collective, after rank 0 made `tmp` (or failed to: `made_error`): raise on every rank, naming the
+    ranks, when some rank cannot see it (another save_dir on that rank, or a file system the nodes do
+    not share)."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        if made_error is not None:
+            raise CheckpointError(made_error)
         return
     _barrier(group)  # rank 0 has made it
     seen = [None] * dist.get_world_size(group)
-    dist.all_gather_object(seen, (os.path.isdir(tmp), os.path.abspath(tmp)), group=group)
-    blind = [rank for rank, (ok, _) in enumerate(seen) if not ok]
+    dist.all_gather_object(seen, (os.path.isdir(tmp), os.path.abspath(tmp), made_error), group=group)
+    if seen[0][2] is not None:
+        raise CheckpointError(f"rank 0: {seen[0][2]}")
+    blind = [rank for rank, (ok, _, _) in enumerate(seen) if not ok]
     if blind:
         looked = ", ".join(f"rank {rank} looked for {seen[rank][1]}" for rank in blind[:4])
         raise CheckpointError(f"ranks {blind} cannot see the checkpoint directory {seen[0][1]} that rank 0 made "
@@ -329,11 +334,15 @@ def atomic_checkpoint_dir(save_dir: str, tag: str, group=None, layout: dict | No
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     final = os.path.join(save_dir, tag)
     tmp = writing_dir(save_dir, tag)
+    made_error = None
     if rank == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a killed save of the same tag
-        os.makedirs(tmp)
-    _check_every_rank_sees(tmp, group)
+        try:
+            os.makedirs(save_dir, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a killed save of the same tag
+            os.makedirs(tmp)
+        except OSError as e:  # a full disk: the other ranks must hear of it, not wait
+            made_error = f"cannot create the checkpoint directory {tmp}: {describe_os_error(e)}"
+    _check_every_rank_sees(tmp, group, made_error)
     key = os.path.abspath(tmp)
     _written[key] = {}
     error = None
@@ -348,6 +357,7 @@ def atomic_checkpoint_dir(save_dir: str, tag: str, group=None, layout: dict | No
     if failed:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+        _barrier(group)  # every rank agreed on the failure: none raises before the directory is gone
         raise CheckpointError(f"checkpoint save of {final} failed, nothing published (the previous checkpoint and "
                               f"'{LATEST_FILE}' are unchanged): " + "; ".join(failed)) from error
     message = None
