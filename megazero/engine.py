@@ -406,14 +406,16 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag=None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False):
+                        load_module_only: bool = False, fallback: bool = False):
         """Load load_dir/str(tag) (default: the tag named by 'latest'); returns (path, client_state).
 
         DeepSpeed's arguments, in its order: load_module_strict (module keys must match),
         load_module_only (weights and buffers only: optimizer, schedule, counters and RNG stay as they
-        are). Returns (None, None) when there is no checkpoint to load.
+        are). Returns (None, None) when there is no checkpoint to load. fallback: when `latest` is
+        corrupt (garbage, or names a missing or incomplete tag), load the previous complete tag with a
+        warning instead of raising.
         """
         from megazero.checkpoint.engine_state import load_engine_checkpoint
 
         return load_engine_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
-                                      load_module_strict, load_module_only)
+                                      load_module_strict, load_module_only, fallback)

@@ -69,6 +69,10 @@ def recipe_parser(description: str, model_config: str, engine_config_path: str) 
     p.add_argument("--tokenizer-model", default=None, help="default: P_tokenizer.model")
     p.add_argument("--save", default=None)
     p.add_argument("--load", default=None)
+    p.add_argument("--load-fallback", action="store_true",
+                   help="if --load's `latest` is corrupt, load the previous complete tag (with a warning)")
+    p.add_argument("--continue-on-save-failure", action="store_true",
+                   help="a failed checkpoint save (e.g. a full disk) warns and training goes on (default: stop)")
     p.add_argument("--save-interval", type=int, default=100)
     p.add_argument("--eval-interval", type=int, default=100)
     p.add_argument("--eval-iters", type=int, default=20)
@@ -289,6 +293,22 @@ class StopSignal:
         self.received = signum
 
 
+def save_or_stop(engine, args, it: int, rank: int) -> None:
+    """Save a checkpoint at iteration `it`. A failed save (every rank raises the same error, naming the
+    file and the errno; the previous checkpoint stays) stops the run with that message, or with
+    --continue-on-save-failure is printed as a warning and training goes on."""
+    from megazero.checkpoint import CheckpointError
+
+    try:
+        engine.save_checkpoint(args.save, client_state={"iteration": it})
+    except CheckpointError as e:
+        if not getattr(args, "continue_on_save_failure", False):
+            raise SystemExit(f"checkpoint save failed at iteration {it}: {e}") from e
+        if rank == 0:
+            print(f"WARNING: checkpoint save failed at iteration {it}, training continues "
+                  f"(--continue-on-save-failure): {e}", flush=True)
+
+
 def train_loop(engine, loader, args, log: ProgressLog, stop: StopSignal, rank: int, run_validation):
     """Train to --train-iters, validating with run_validation() every --eval-interval; returns
     (last validation loss, why it stopped early or None)."""
@@ -307,7 +327,7 @@ def train_loop(engine, loader, args, log: ProgressLog, stop: StopSignal, rank: i
         if reason is None and (it % args.eval_interval == 0 or it == args.train_iters):
             val_loss = run_validation()
         if args.save and (it % args.save_interval == 0 or it == args.train_iters or reason):
-            engine.save_checkpoint(args.save, client_state={"iteration": it})
+            save_or_stop(engine, args, it, rank)
         log.window_start += time.perf_counter() - paused  # iteration time excludes evaluation and saving
         if reason == "time" and rank == 0:
             print(f"time budget of {args.train_minutes} min reached at iteration {it}", flush=True)
@@ -331,7 +351,7 @@ def train(args: argparse.Namespace, model: torch.nn.Module, train_data, *, grid,
                                                training_data=train_data, config=engine_config(args),
                                                mpu=parallel_state)
     if args.load:
-        path, _ = engine.load_checkpoint(args.load)
+        path, _ = engine.load_checkpoint(args.load, fallback=getattr(args, "load_fallback", False))
         if path and rank == 0:
             print(f"resumed from {path} at iteration {engine.global_steps}", flush=True)
     peak = args.peak_flops or measure_peak_flops(engine.config.compute_dtype, seconds=0.3,

@@ -24,9 +24,11 @@ import warnings
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from megazero.checkpoint.files import (
     FORMAT_VERSION,
+    LATEST_FILE,
     MODEL_FILES,
     model_file,
     model_files_in,
@@ -46,6 +48,7 @@ from megazero.checkpoint.io import (
     read_latest,
     save_file,
 )
+from megazero.checkpoint.manifest import check_files, complete_tags, directory_problems, read_manifest
 from megazero.checkpoint.universal import apply_parameter_states, read_parameter_states, saved_layout
 from megazero.checkpoint.zero_state import load_own_zero_state, same_zero_layout, zero_state
 from megazero.model_contract import global_name_of, model_config_dict
@@ -115,7 +118,9 @@ def save_engine_checkpoint(engine, save_dir, tag, client_state: dict) -> str:
     check_plain(client_state)
     names = global_names(engine.module)
     model_name, optim_name, zero_name = _files(engine)
-    with atomic_checkpoint_dir(save_dir, tag) as tmp:
+    layout = {k: v for k, v in layout_of(engine).items() if not k.endswith("_rank")}
+    layout.update(world_size=_world_size(), format_version=FORMAT_VERSION)
+    with atomic_checkpoint_dir(save_dir, tag, layout=layout, keep_last=engine.config.checkpoint.keep_last) as tmp:
         if engine.dp_rank == 0:  # one writer per (tensor rank, pipeline stage)
             save_file(_model_state(engine, client_state, names), os.path.join(tmp, model_name))
         if engine.dp.stage == 0 and engine.dp_rank == 0:
@@ -164,20 +169,87 @@ def _module_state(engine) -> dict:
     return {rename(k): v for k, v in state.items()}
 
 
-def resolve_tag(load_dir: str, tag) -> str | None:
-    """The tag to load: str(tag), else the one named by `latest` (None if there is none)."""
-    if tag is None:
-        tag = read_latest(load_dir)
-        if tag is None:
-            return None
-    tag = check_tag(tag)
-    path = os.path.join(load_dir, tag)
-    old = replaced_dir(load_dir, tag)
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _restore_replaced(load_dir: str, tag: str) -> None:
+    """A save of the same tag killed between its two renames left the complete previous directory
+    under its replaced name: put it back (any rank may get there first)."""
+    path, old = os.path.join(load_dir, tag), replaced_dir(load_dir, tag)
     if not os.path.isdir(path) and os.path.isdir(old):
-        os.replace(old, path)  # a save of the same tag was killed between its two renames
+        try:
+            os.replace(old, path)
+        except FileNotFoundError:  # another rank restored it
+            pass
+
+
+def _latest_problem(load_dir: str) -> tuple[str | None, str | None]:
+    """(the tag `latest` names, why it cannot be loaded or None)."""
+    try:
+        tag = read_latest(load_dir)
+    except CheckpointError:
+        return None, "does not hold a tag (not UTF-8 text)"
+    if tag is None:
+        return None, "is empty"
+    try:
+        tag = check_tag(tag)
+    except CheckpointError as e:
+        return None, f"does not hold a tag ({e})"
+    _restore_replaced(load_dir, tag)
+    problems = directory_problems(os.path.join(load_dir, tag))
+    if problems:
+        return tag, f"names {tag!r}, which is not a complete checkpoint: {'; '.join(problems[:3])}"
+    return tag, None
+
+
+def resolve_tag(load_dir: str, tag, fallback: bool = False) -> str | None:
+    """The tag to load: str(tag), else the one named by `latest` (None if there is none). When `latest`
+    is garbage or names a missing or incomplete directory, CheckpointError names the file and the
+    previous complete tag; with `fallback`, that tag is returned instead, with a warning."""
+    if tag is None:
+        if not os.path.isfile(os.path.join(load_dir, LATEST_FILE)):
+            return None
+        named, problem = _latest_problem(load_dir)
+        if problem is None:
+            return named
+        latest = os.path.join(load_dir, LATEST_FILE)
+        previous = complete_tags(load_dir, exclude=named)
+        if not previous:
+            raise CheckpointError(f"{latest} {problem}; {load_dir} holds no complete checkpoint to fall back to")
+        if not fallback:
+            raise CheckpointError(f"{latest} {problem}; the previous complete tag is {previous[-1]!r} (load it by "
+                                  f"tag, or with load_checkpoint(..., fallback=True); recipes: --load-fallback)")
+        warnings.warn(f"{latest} {problem}; loading the previous complete tag {previous[-1]!r} instead", stacklevel=3)
+        return previous[-1]
+    tag = check_tag(tag)
+    _restore_replaced(load_dir, tag)
+    path = os.path.join(load_dir, tag)
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint directory not found: {path}")
     return tag
+
+
+def verify_checkpoint_dir(path: str, checksums: bool) -> None:
+    """Collective: raise CheckpointError on every rank, naming the bad files, unless every file the
+    manifest of `path` lists has its size (and, with `checksums`, its checksum; the ranks share the
+    reading). A directory without a manifest (written before manifests) is not checked."""
+    try:
+        manifest = read_manifest(path)
+        problems = []
+    except ValueError as e:
+        manifest, problems = None, [str(e)]
+    if manifest is not None:
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        mine = set(sorted(manifest["files"])[rank::world])
+        problems = check_files(path, manifest, checksums, mine)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, problems)
+        problems = list(dict.fromkeys(p for rank_problems in everyone for p in rank_problems))
+    if problems:
+        more = f" and {len(problems) - 5} more" if len(problems) > 5 else ""
+        raise CheckpointError(f"checkpoint {path} is not whole: {'; '.join(problems[:5])}{more}")
 
 
 def _read_model_state(path: str, name: str) -> dict:
@@ -187,16 +259,19 @@ def _read_model_state(path: str, name: str) -> dict:
 
 
 def load_engine_checkpoint(engine, load_dir, tag, load_optimizer_states: bool, load_lr_scheduler_states: bool,
-                           load_module_strict: bool = True, load_module_only: bool = False):
+                           load_module_strict: bool = True, load_module_only: bool = False, fallback: bool = False):
     """Restore an engine from load_dir/tag (rank 0's tag on every rank, as when saving); returns
     (path, client_state) or (None, None). load_module_only: the module's weights and buffers only;
-    load_module_strict: the checkpoint's module keys must match the model's (DeepSpeed's meanings)."""
+    load_module_strict: the checkpoint's module keys must match the model's (DeepSpeed's meanings).
+    The files are checked against the manifest first (sizes; checksums too with checkpoint.verify);
+    fallback: a corrupt `latest` loads the previous complete tag, with a warning."""
     load_dir = os.fspath(load_dir)
-    tag = resolve_tag(load_dir, agree_on_tag(tag, engine.config.checkpoint.tag_validation))
+    tag = resolve_tag(load_dir, agree_on_tag(tag, engine.config.checkpoint.tag_validation), fallback)
     if tag is None:
         warnings.warn(f"no 'latest' file in {load_dir}: nothing to load, starting from scratch", stacklevel=3)
         return None, None
     path = os.path.join(load_dir, tag)
+    verify_checkpoint_dir(path, engine.config.checkpoint.verify)
     model_name, optim_name, zero_name = _files(engine)
     mine = layout_of(engine)
     state = _read_model_state(path, model_name if os.path.isfile(os.path.join(path, model_name))

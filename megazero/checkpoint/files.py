@@ -7,6 +7,8 @@ format version the model files record.
       mp_rank_{TP}_optim_states.pt               ZeRO stage 0: optimizer state and fp32 masters
       zero_pp_rank_{DP}_mp_rank_{TP}_optim_states.pt   ZeRO 1-3: data-parallel rank DP's partitions
       rng_state_rank{R}.pt                       each global rank's RNG states
+      manifest.json                              every other file's size and checksum, and the layout:
+                                                 written last, so a directory with one is complete
     save_dir/.{tag}.tmp/, save_dir/.{tag}.old/   a checkpoint being written, one being replaced
     FILE.tmp{PID}                                a file being written (renamed over FILE when complete)
 
@@ -22,6 +24,7 @@ import os
 import re
 
 LATEST_FILE = "latest"
+MANIFEST_FILE = "manifest.json"
 MODEL_FILES = "mp_rank_*_model_states.pt"  # the glob pattern of every model file of a checkpoint
 ZERO_FILES = "zero_pp_rank_*_optim_states.pt"  # ... and of every ZeRO partition file
 # 2: the layout (TP, PP, DP, ZeRO stage) and per-parameter partition metadata in the model files;

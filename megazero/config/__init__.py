@@ -144,11 +144,15 @@ TAG_VALIDATION_MODES = ("Warn", "Ignore", "Fail")
 
 class CheckpointConfig(Section):
     """`checkpoint`: how save_checkpoint() and load_checkpoint() treat tags that differ across ranks
-    (DeepSpeed's keys); every rank uses rank 0's tag."""
+    (DeepSpeed's keys; every rank uses rank 0's tag), verify what they load, and how many tags they keep."""
 
     tag_validation: any_case_choice(TAG_VALIDATION_MODES) = Field(
         "WARN", description="Warn names the ranks that differ, Fail raises, Ignore is silent (any case; "
                             "stored upper-case)")
+    verify: Bool = Field(False, description="load_checkpoint() checks every file's checksum against the manifest "
+                                            "(file sizes are always checked)")
+    keep_last: Int = Field(0, ge=0, description="after a save completes, delete all but the newest K complete tags "
+                                                "(never the one `latest` names); 0 keeps all")
 
 
 def _optimizers() -> dict:
@@ -236,7 +240,8 @@ class EngineConfig(Section):
     activation_checkpointing: ActivationCheckpointingConfig | None = Field(
         None, description="activation checkpointing options (absent: configure() is not called)")
     seed: Int | None = Field(None, ge=0, lt=2**32, description="seed python, numpy and torch before building")
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="checkpoint tag checks")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig,
+                                         description="checkpoint tag checks, verification, retention")
     # megazero's own key (DeepSpeed has none). 100 is longer than any loss-scale search a healthy fp16
     # run makes (from 2**64, the largest initial_scale_power, to a scale of 1 is 65 skips with the
     # default hysteresis 2), yet stops a diverged run instead of letting it skip forever

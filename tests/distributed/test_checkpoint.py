@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -58,6 +59,9 @@ def test_model_parallel_resume_with_dropout_is_bit_exact(pools, token_dataset_pr
 def _load_every_file_weights_only(save_dir: str) -> list[str]:
     tag = open(os.path.join(save_dir, "latest")).read().strip()
     names = sorted(os.listdir(os.path.join(save_dir, tag)))
+    with open(os.path.join(save_dir, tag, "manifest.json")) as f:  # the one JSON file: sizes and checksums
+        json.load(f)
+    names.remove("manifest.json")
     for name in names:
         torch.load(os.path.join(save_dir, tag, name), weights_only=True)
     return names

@@ -113,8 +113,9 @@ def test_tag_validation_ignore_uses_rank_0_tag_silently(pools, tmp_path):
     tag = results[0]["tag"]
     assert results[1]["tag"] != tag
     assert sorted(os.listdir(tmp_path)) == sorted([tag, "latest"])
-    assert sorted(os.listdir(tmp_path / tag)) == ["mp_rank_00_model_states.pt", "mp_rank_00_optim_states.pt",
-                                                  "rng_state_rank0.pt", "rng_state_rank1.pt"]
+    assert sorted(os.listdir(tmp_path / tag)) == ["manifest.json", "mp_rank_00_model_states.pt",
+                                                  "mp_rank_00_optim_states.pt", "rng_state_rank0.pt",
+                                                  "rng_state_rank1.pt"]
 
 
 def test_tag_validation_config():

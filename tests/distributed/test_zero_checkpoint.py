@@ -33,7 +33,7 @@ def test_round_trip_is_exact_in_a_new_process_group(pools, token_dataset_prefix_
     save_dir = str(tmp_path / "ckpt")
     uninterrupted = pools(2).run(train, config, token_dataset_prefix_module, 6, 0, save_dir, 3)
     assert sorted(os.listdir(os.path.join(save_dir, "global_step3"))) == [
-        "mp_rank_00_model_states.pt", "rng_state_rank0.pt", "rng_state_rank1.pt",
+        "manifest.json", "mp_rank_00_model_states.pt", "rng_state_rank0.pt", "rng_state_rank1.pt",
         "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
     fresh = ProcessPool(2)
     try:
