@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import megazero
 from megazero import parallel_state
-from megazero.config import load_config_source
+from megazero.config import ConfigError, load_config_source
 from megazero.data import DistributedBatchLoader, SentencePieceTokenizer
 from megazero.distributed import all_reduce_values
 from megazero.profiling import measure_peak_flops
@@ -347,9 +347,13 @@ def train(args: argparse.Namespace, model: torch.nn.Module, train_data, *, grid,
     rank = dist.get_rank()
     if torch.cuda.is_available():
         model = model.cuda(torch.cuda.current_device())
-    engine, _, loader, _ = megazero.initialize(args=args, model=model, model_parameters=param_groups(model),
-                                               training_data=train_data, config=engine_config(args),
-                                               mpu=parallel_state)
+    try:
+        engine, _, loader, _ = megazero.initialize(args=args, model=model, model_parameters=param_groups(model),
+                                                   training_data=train_data, config=engine_config(args),
+                                                   mpu=parallel_state)
+    except ConfigError as e:  # one line naming the file and the key, not a traceback per rank
+        raise SystemExit(f"[megazero] rank {rank}: engine config {args.megazero_config} (with the recipe's flags "
+                         f"applied): {e}") from None
     if args.load:
         path, _ = engine.load_checkpoint(args.load, fallback=getattr(args, "load_fallback", False))
         if path and rank == 0:

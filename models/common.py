@@ -38,6 +38,14 @@ class ModelConfig:
         m = self.make_vocab_size_divisible_by * self.tensor_model_parallel_size
         return ((self.vocab_size + m - 1) // m) * m
 
+    def single_process(self):
+        """The same model in one process (TP = 1, its padding): the size the recipes report, the same
+        at every layout (whole() keeps this layout's padded vocabulary instead)."""
+        changes = {"tensor_model_parallel_size": 1}
+        if hasattr(self, "sequence_parallel"):
+            changes["sequence_parallel"] = False
+        return dataclasses.replace(self, **changes)
+
     def whole(self):
         """The same model at TP = 1 with the same (padded) vocabulary: the shape of the whole tensors."""
         changes = {"tensor_model_parallel_size": 1,

@@ -115,7 +115,9 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """hidden -> ffn (column-parallel) -> GELU -> hidden (row-parallel)."""
+    """hidden -> ffn (column-parallel) -> GELU -> hidden (row-parallel). On GPUs, parallelize() runs
+    bias + GeLU in megazero's fused kernel instead of this forward (models/parallelize.py,
+    FusedBiasGeluMLP): set `fused_kernels: false` in the model config when you change it."""
 
     def __init__(self, config: GPTConfig, tp_group=None):
         super().__init__()

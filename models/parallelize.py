@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from megazero import tensor_parallel as tp
 from megazero.activation_checkpointing import checkpoint
@@ -140,17 +139,21 @@ def apply_recompute(model: nn.Module, config: ModelConfig) -> None:
 
 class FusedBiasGeluMLP(nn.Module):
     """GPT's MLP with gelu(fc(x) + bias) in megazero's fused kernel on GPUs (cuda_ops.bias_gelu:
-    torch's ops where the kernel is not built or does not take the input); on the CPU exactly
-    GPT's MLP. It holds the MLP's own fc and proj, so the parameter names are the MLP's."""
+    torch's ops where the kernel is not built or does not take the input). Anywhere else it runs the
+    MLP's own forward, so an MLP edited in a fork computes what it says on the CPU; on GPUs the edit
+    needs `fused_kernels: false`. It holds the MLP's own fc and proj, so the parameter names are the
+    MLP's."""
 
     def __init__(self, mlp: MLP):
         super().__init__()
         self.fc, self.proj = mlp.fc, mlp.proj
+        # the MLP's forward, kept unregistered (registering the MLP would prefix every parameter name)
+        object.__setattr__(self, "plain_forward", mlp.forward)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
             return self.proj(bias_gelu(self.fc(x, add_bias=False), self.fc.bias))
-        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+        return self.plain_forward(x)
 
 
 def apply_fused_kernels(model: GPT) -> None:

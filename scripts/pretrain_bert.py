@@ -79,7 +79,7 @@ def main(argv=None) -> dict:
     config = model_config(args, tokenizer.vocab_size)
     model = parallelize(config, grid)
     args.seq_length = config.seq_length
-    num_params = count_parameters(Bert, config)
+    num_params = count_parameters(Bert, config.single_process())  # the same at every layout
     flops = gpt_flops_per_token(num_params, config.num_layers, config.hidden_size, config.seq_length)
 
     # the data: sentence pairs with masked tokens, from P_train/P_valid_text_sentence

@@ -38,7 +38,7 @@ def main(argv=None) -> dict:
     config = GPTConfig.from_json(args.model_config, vocab_size=tokenizer.vocab_size, **training.model_overrides(args))
     model = parallelize(config, grid)
     args.seq_length = config.seq_length
-    num_params = count_parameters(GPT, config)
+    num_params = count_parameters(GPT, config.single_process())  # the same at every layout
     flops = gpt_flops_per_token(num_params, config.num_layers, config.hidden_size, args.seq_length)
 
     # the data: P_train/P_valid_text_document, and the unigram entropy validation is compared with

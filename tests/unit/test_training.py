@@ -173,3 +173,20 @@ def test_train_validates_and_a_signal_saves_and_stops(token_dataset_prefix, tmp_
         ["iteration", "2/10"], ["iteration", "4/10"]]
     assert result["twice"]["loss"] == result["default"]["loss"] == result["val_loss"]
     assert result["twice"]["twice"] == pytest.approx(2 * result["default"]["loss"], rel=1e-12)
+
+
+@pytest.mark.slow
+def test_a_bad_engine_config_stops_the_recipe_with_one_line_naming_file_and_key(corpus_prefix, tmp_path):
+    """A DeepSpeed user's typo reaches them as one line (file, key path, value), not a traceback."""
+    config = json.load(open(os.path.join(REPO, "configs", "ds_gpt2_cpu.json")))
+    config["optimizer"]["params"]["betas"] = [0.9]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(config))
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "pretrain_gpt.py"), "--data-path",
+                           corpus_prefix, "--deepspeed_config", str(bad), "--num-layers", "1", "--hidden-size", "32",
+                           "--num-attention-heads", "2", "--seq-length", "16", "--train-iters", "1"],
+                          capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert str(bad) in last and "'optimizer.params.betas'" in last and "[0.9]" in last, last
