@@ -16,6 +16,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from megazero.watchdog import watched
+
 LATEST_FILE = "latest"
 _SEPARATORS = tuple(sep for sep in (os.sep, os.altsep, "\0", "\n", "\r") if sep)
 _PLAIN = (str, int, float, bool, type(None), torch.Tensor)
@@ -141,6 +143,7 @@ def agree_on_tag(tag, validation: str = "WARN", group=None):
     return tags[0]
 
 
+@watched("barrier (checkpoint save)")
 def _barrier(group) -> None:
     if dist.is_initialized():
         dist.barrier(group=group)
