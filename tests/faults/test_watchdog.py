@@ -90,15 +90,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def sigstop_trial(corpus_prefix: str, tmp_path, rank: int = 1, delay: float = 0.0) -> tuple[float, str, int]:
-    """Run the GPT recipe as `make pretrain-gpt2` does on 2 processes, SIGSTOP `rank` `delay` s after the
-    first logged iteration; (seconds from the SIGSTOP until every process is gone, output, exit code)."""
+def sigstop_trial(corpus_prefix: str, tmp_path, rank: int = 1, delay: float = 0.0,
+                  extra: tuple[str, ...] = ()) -> tuple[float, str, int]:
+    """Run the GPT recipe as `make pretrain-gpt2` does on 2 processes (more recipe flags in `extra`),
+    SIGSTOP `rank` `delay` s after the first logged iteration; (seconds from the SIGSTOP until every
+    process is gone, output, exit code)."""
     log = tmp_path / "out.txt"
     env = {**os.environ, "NPROC": "2", "PYTHON": sys.executable, "SAVE_DIR": str(tmp_path / "ckpt"),
            "TB_DIR": str(tmp_path / "tb"), "OMP_NUM_THREADS": "1"}
     cmd = ["bash", os.path.join(REPO, "scripts", "pretrain_gpt2.sh"), "--data-path", corpus_prefix, *TINY,
            "--train-iters", "100000", "--log-interval", "5", "--eval-interval", "40", "--eval-iters", "2",
-           "--save-interval", "50", "--watchdog-timeout", str(TIMEOUT)]
+           "--save-interval", "50", "--watchdog-timeout", str(TIMEOUT), *extra]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     workers = {}
