@@ -17,6 +17,7 @@ from megazero.engine import Engine
 from megazero.model_contract import tied_parameters
 from megazero.parallel_state import grid_from_mpu
 from megazero.tensor_parallel.random import seed_tracker
+from megazero.watchdog import configure_watchdog
 
 __version__ = "0.1.0"
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "Engine", "EngineConfig", "ConfigError",
@@ -102,6 +103,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         loader = DistributedBatchLoader(training_data, engine_config.train_micro_batch_size_per_gpu,
                                         dist.get_rank(dp_group), dist.get_world_size(dp_group))
     engine = Engine(model, engine_config, optimizer, dp_state, lr_scheduler, dp_group, loader, grid)
+    configure_watchdog(engine_config.watchdog, engine)  # on when the config enables it; stops an earlier one
     return engine, optimizer, loader, lr_scheduler
 
 

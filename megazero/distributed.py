@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megazero.watchdog import watched
+
 
 @dataclass
 class LaunchEnv:
@@ -148,6 +150,7 @@ def init_distributed(dist_backend: str | None = None, timeout: datetime.timedelt
     return launch
 
 
+@watched("all-reduce of values")
 def all_reduce_values(values: list[float], op: str = "sum", group=None) -> list[float]:
     """All-reduce a few Python floats (float64) over `group`; works on gloo and NCCL alike."""
     device = torch.device("cpu")

@@ -85,6 +85,9 @@ def recipe_parser(description: str, model_config: str, engine_config_path: str) 
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--peak-flops", type=float, default=None,
                    help="per-rank peak FLOP/s for MFU (default: measured by a matmul probe)")
+    p.add_argument("--watchdog-timeout", type=float, default=None,
+                   help="seconds a collective may wait for a stopped, dead or deadlocked rank before the ranks "
+                        "not arrived are named and the job exits (0: watchdog off; default: the config's)")
     megazero.add_config_arguments(p)
     p.set_defaults(megazero_config=engine_config_path)
     return p
@@ -132,6 +135,8 @@ def engine_config(args: argparse.Namespace) -> dict:
         config["tensorboard"] = {"enabled": True, "output_path": args.tensorboard_dir, "job_name": ""}
     if args.wandb:
         config["wandb"] = {**config.get("wandb", {}), "enabled": True}
+    if getattr(args, "watchdog_timeout", None) is not None:  # 0: off
+        config["watchdog"] = {"enabled": args.watchdog_timeout > 0, "timeout": args.watchdog_timeout or 60.0}
     return config
 
 

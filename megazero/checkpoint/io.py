@@ -33,6 +33,7 @@ from megazero.checkpoint.files import (
     writing_dir,
 )
 from megazero.checkpoint.manifest import ChecksumWriter, build_manifest, complete_tags, file_entry
+from megazero.watchdog import watched
 
 # fault injection for the tests (tests/faults): SIGKILL this process at the named point of a save
 FAULT_ENV = "MEGAZERO_CHECKPOINT_FAULT"
@@ -210,6 +211,7 @@ def agree_on_tag(tag, validation: str = "WARN", group=None):
     return tags[0]
 
 
+@watched("barrier (checkpoint save)")
 def _barrier(group) -> None:
     if dist.is_initialized():
         dist.barrier(group=group)
@@ -260,6 +262,7 @@ def _exchange(a: str, b: str) -> bool:
     raise OSError(code, os.strerror(code), a)
 
 
+@watched("all-gather (checkpoint save: did every rank write its files)")
 def _gather(value, group) -> list:
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return [value]
@@ -268,6 +271,7 @@ def _gather(value, group) -> list:
     return values
 
 
+@watched("broadcast (checkpoint save: rank 0 published)")
 def _broadcast_from_first(value, group):
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return value

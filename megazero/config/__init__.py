@@ -155,6 +155,19 @@ class CheckpointConfig(Section):
                                                 "(never the one `latest` names); 0 keeps all")
 
 
+class WatchdogConfig(Section):
+    """`watchdog` (megazero.watchdog): a rank that has waited in a collective or point-to-point operation
+    longer than `timeout` for a peer that is stopped, dead or deadlocked prints the operation and the
+    ranks that have not arrived, and exits (code 75) so that the launcher ends the job. Off by default
+    (DeepSpeed has no such block; the recipes' configs turn it on)."""
+
+    enabled: Bool = Field(False, description="run the hung-rank watchdog (a heartbeat thread per rank)")
+    timeout: Float = Field(60.0, ge=5, le=1800, description="seconds an operation may wait for a stopped, dead or "
+                                                          "deadlocked peer before the job exits (a live peer that "
+                                                          "is saving or evaluating is waited for); at most the "
+                                                          "process group's timeout, 1800 s")
+
+
 def _optimizers() -> dict:
     # lazy: megazero.optim imports the builder, which imports this module
     from megazero.optim.registry import OPTIMIZERS
@@ -248,6 +261,7 @@ class EngineConfig(Section):
     max_consecutive_skipped_steps: Int = Field(
         100, ge=0, description="stop with NumericsError after this many consecutive skipped steps (fp16 "
                                "overflows, inf/nan gradients or losses in any precision); 0 = never")
+    watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig, description="the hung-rank watchdog")
 
     _data_parallel_size: int = PrivateAttr(1)
 

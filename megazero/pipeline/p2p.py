@@ -26,6 +26,8 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
+from megazero.watchdog import watched
+
 _MAX_DIMS = 8
 STRICT_ENV = "MEGAZERO_P2P_STRICT"
 STRICT_TIMEOUT_ENV = "MEGAZERO_P2P_STRICT_TIMEOUT"  # seconds a strict send waits for its receive (default 60)
@@ -175,26 +177,32 @@ class StageLinks:
         _wait(post([self._op(dist.isend, tensor, peer), self._op(dist.irecv, received, peer)]))
         return received
 
+    @watched("p2p recv forward (the previous stage's output)")
     def recv_forward(self) -> torch.Tensor:
         """The previous stage's output (this stage's input), as a leaf that will receive a gradient."""
         return self._timed(self._recv, self.prev).requires_grad_()
 
+    @watched("p2p send forward (to the next stage)")
     def send_forward(self, output: torch.Tensor) -> None:
         """Send this stage's output to the next stage."""
         self._timed(self._send, output, self.next)
 
+    @watched("p2p recv backward (the next stage's gradient)")
     def recv_backward(self) -> torch.Tensor:
         """The gradient of this stage's output, from the next stage."""
         return self._timed(self._recv, self.next)
 
+    @watched("p2p send backward (to the previous stage)")
     def send_backward(self, input_grad: torch.Tensor) -> None:
         """Send the gradient of this stage's input to the previous stage."""
         self._timed(self._send, input_grad, self.prev)
 
+    @watched("p2p send forward / recv backward (with the next stage)")
     def send_forward_recv_backward(self, output: torch.Tensor) -> torch.Tensor:
         """Send the output on while receiving the gradient of an earlier output."""
         return self._timed(self._exchange, output, self.next)
 
+    @watched("p2p send backward / recv forward (with the previous stage)")
     def send_backward_recv_forward(self, input_grad: torch.Tensor) -> torch.Tensor:
         """Send an input gradient back while receiving the next input."""
         return self._timed(self._exchange, input_grad, self.prev).requires_grad_()

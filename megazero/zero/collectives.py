@@ -15,6 +15,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from megazero import watchdog
+
 
 class Traffic:
     """Elements this process has sent and received through these collectives (ring-equivalent
@@ -45,22 +47,32 @@ class Traffic:
 traffic = Traffic()
 
 
-def all_reduce(tensor: torch.Tensor, group) -> Handle:
-    """Asynchronous sum all-reduce (native on every backend: gloo's is fast)."""
+def _label(kind: str, what: str | None) -> str:
+    return f"{kind} of {what}" if what else kind
+
+
+def all_reduce(tensor: torch.Tensor, group, what: str | None = None) -> Handle:
+    """Asynchronous sum all-reduce (native on every backend: gloo's is fast); `what` it carries
+    names it for the watchdog ('gradient bucket 3')."""
     world = dist.get_world_size(group)
     if world == 1:
         return Handle([])
     moved = 2 * (world - 1) * tensor.numel() // world
     traffic.add(moved, moved, "all_reduce", tensor.numel())
-    return Handle([dist.all_reduce(tensor, group=group, async_op=True)])
+    return Handle([dist.all_reduce(tensor, group=group, async_op=True)], op=_label("all-reduce", what))
 
 
 class Handle:
-    """Pending communication: wait() blocks until it is done and then runs the finishing step."""
+    """Pending communication: wait() blocks until it is done and then runs the finishing step.
 
-    def __init__(self, works: list, finish: Callable[[], None] | None = None):
+    `op` names the operation for the watchdog (megazero.watchdog), which watches the wait of a
+    handle that has one (the collectives here name theirs; callers may add what it carries).
+    """
+
+    def __init__(self, works: list, finish: Callable[[], None] | None = None, op: str | None = None):
         self._works = works
         self._finish = finish
+        self.op = op
 
     @property
     def done(self) -> bool:
@@ -69,8 +81,17 @@ class Handle:
 
     def wait(self) -> None:
         """Block until the communication is complete, then run the finishing step (once)."""
-        for work in self._works:
-            work.wait()
+        dog = watchdog.active() if self.op is not None else None
+        if dog is None:
+            for work in self._works:
+                work.wait()
+        else:
+            mark = dog.begin(self.op, self._works)
+            try:
+                for work in self._works:
+                    work.wait()
+            finally:
+                dog.end(mark)
         self._works = []
         if self._finish is not None:
             finish, self._finish = self._finish, None
@@ -86,8 +107,9 @@ def _global(group, rank: int) -> int:
     return dist.get_global_rank(group, rank) if group is not None else rank
 
 
-def reduce_scatter_chunks(buffer: torch.Tensor, group) -> Handle:
-    """Sum `buffer` (N equal chunks) over the group; afterwards chunk r of rank r holds the sum.
+def reduce_scatter_chunks(buffer: torch.Tensor, group, what: str | None = None) -> Handle:
+    """Sum `buffer` (N equal chunks) over the group; afterwards chunk r of rank r holds the sum
+    (`what`: as for all_reduce).
 
     Other chunks of the buffer are left with unspecified contents.
     """
@@ -99,7 +121,8 @@ def reduce_scatter_chunks(buffer: torch.Tensor, group) -> Handle:
         return Handle([])
     traffic.add((world - 1) * mine.numel(), (world - 1) * mine.numel(), "reduce_scatter", buffer.numel())
     if uses_native_collectives(group):
-        return Handle([dist.reduce_scatter_tensor(mine, buffer, group=group, async_op=True)])
+        return Handle([dist.reduce_scatter_tensor(mine, buffer, group=group, async_op=True)],
+                      op=_label("reduce-scatter", what))
     received = torch.empty((world - 1, chunks.shape[1]), dtype=buffer.dtype, device=buffer.device)
     works = []
     for i, peer in enumerate(p for p in range(world) if p != rank):
@@ -111,11 +134,12 @@ def reduce_scatter_chunks(buffer: torch.Tensor, group) -> Handle:
     def add_received() -> None:
         mine.add_(received.sum(dim=0) if world > 2 else received[0])
 
-    return Handle(works, add_received)
+    return Handle(works, add_received, op=_label("reduce-scatter", what))
 
 
-def all_gather_chunks(buffer: torch.Tensor, group) -> Handle:
-    """Every rank contributes chunk r (its own) of `buffer`; afterwards all chunks are filled everywhere."""
+def all_gather_chunks(buffer: torch.Tensor, group, what: str | None = None) -> Handle:
+    """Every rank contributes chunk r (its own) of `buffer`; afterwards all chunks are filled everywhere
+    (`what`: as for all_reduce)."""
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
     if world == 1:
@@ -123,6 +147,7 @@ def all_gather_chunks(buffer: torch.Tensor, group) -> Handle:
     chunks = buffer.view(world, -1)
     traffic.add((world - 1) * chunks.shape[1], (world - 1) * chunks.shape[1], "all_gather", buffer.numel())
     if uses_native_collectives(group):
-        return Handle([dist.all_gather_into_tensor(buffer, chunks[rank], group=group, async_op=True)])
+        return Handle([dist.all_gather_into_tensor(buffer, chunks[rank], group=group, async_op=True)],
+                      op=_label("all-gather", what))
     works = [dist.broadcast(chunks[r], src=_global(group, r), group=group, async_op=True) for r in range(world)]
-    return Handle(works)
+    return Handle(works, op=_label("all-gather", what))

@@ -60,7 +60,7 @@ class _GroupPartition:
             self.grad_views = self.layout.split_partition(self.grad_partition)
 
     def _reduce_scatter(self, bucket: Bucket, tensor: torch.Tensor) -> Handle:
-        inner = reduce_scatter_chunks(tensor, self.group)
+        inner = reduce_scatter_chunks(tensor, self.group, f"gradient bucket {bucket.index}")
         if self.stage == 1:  # the reduced chunk is already where the master's gradient view points
             return inner
         mine = tensor.view(self.world_size, -1)[self.rank]
@@ -81,7 +81,7 @@ class _GroupPartition:
             for b, master in zip(self.layout.buckets, self.masters):
                 if not self.aliased and not copies_written:
                     self.flat_params[slice(*self.layout.rank_range(b, self.rank))].copy_(master)
-                handles.append(all_gather_chunks(self.flat_params[b.start:b.start + b.numel], self.group))
+                handles.append(all_gather_chunks(self.flat_params[b.start:b.start + b.numel], self.group, "parameters"))
         return handles
 
     def reset_masters(self) -> None:

@@ -27,7 +27,7 @@ class ReplicatedState:
         self.grads = BucketedGradients(self.layout, self._all_reduce, self.world_size, overlap)
 
     def _all_reduce(self, bucket, tensor: torch.Tensor) -> Handle:
-        return all_reduce(tensor, self.group)
+        return all_reduce(tensor, self.group, f"gradient bucket {bucket.index}")
 
     def optimizer_groups(self, groups: list[dict]) -> list[dict]:
         """The optimizer's param groups, over the fp32 master weights."""

@@ -142,7 +142,7 @@ class ShardedGradients:
         buffer = self._buffer(rb)
         if self.world_size > 1:
             buffer.div_(self.world_size)  # pre-divide: the sum of averages is the average
-        inner = reduce_scatter_chunks(buffer, self.group)
+        inner = reduce_scatter_chunks(buffer, self.group, f"gradient bucket {rb.index}")
         mine = buffer.view(self.world_size, -1)[self.rank]
 
         def add_into_partitions() -> None:

@@ -75,7 +75,8 @@ class _Shard:
         full = torch.empty(self.layout.numel, dtype=self.dtype, device=self.device)
         for chunk, own in zip(self.layout.own_chunks(full, self.rank), self.shard_views):
             chunk.copy_(own)
-        inner = [all_gather_chunks(full[b.start:b.start + b.numel], self.group) for b in self.layout.buckets]
+        inner = [all_gather_chunks(full[b.start:b.start + b.numel], self.group, "parameters")
+                 for b in self.layout.buckets]
         return Handle(inner, lambda: self._point_params(full))
 
     def release(self) -> None:
