@@ -29,11 +29,10 @@ import time
 import numpy as np
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from megazero.data import DatasetFormatError, IndexedDataset, check_token_ids, write_indexed_dataset
+from megazero.numerics import loss_guard
 
-from megazero.data import DatasetFormatError, IndexedDataset, check_token_ids, write_indexed_dataset  # noqa: E402
-from megazero.numerics import loss_guard  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CORPUS = os.path.join(REPO, "data", "gpt2", "shakespeare")
 LIMIT = 3

@@ -15,21 +15,20 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
+from bench_zero import param_groups, recipe_config, spawn_workers  # a sibling: this script's directory is on sys.path
+
+import megazero
+from megazero import watchdog
+from megazero.config import WatchdogConfig
+from megazero.data import GPTDataset, IndexedDataset
+from models.gpt import GPTConfig
+from models.parallelize import parallelize
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-import megazero  # noqa: E402
-from benchmarks.bench_zero import param_groups, recipe_config, spawn_workers  # noqa: E402
-from megazero import watchdog  # noqa: E402
-from megazero.config import WatchdogConfig  # noqa: E402
-from megazero.data import GPTDataset, IndexedDataset  # noqa: E402
-from models.gpt import GPTConfig, build_model  # noqa: E402
 
 STAGES = (0, 2)
 TIMEOUT = 10.0
@@ -53,7 +52,7 @@ def worker(rank: int, world: int, port: int, args, queue) -> None:
     runs = {}
     for stage in STAGES:
         megazero.set_seed(0)
-        model = build_model(model_config)
+        model = parallelize(model_config)
         config = recipe_config()
         config["zero_optimization"] = {**config["zero_optimization"], "stage": stage}
         config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}}

@@ -7,8 +7,11 @@ An implementation is a factory `(params, **config params) -> torch.optim.Optimiz
 - `reference`: pure torch on any device, taken otherwise and with `torch_adam: true`.
 `megazero.optim.builder` picks one; the config validates `optimizer.params` against `params`.
 
-To add an optimizer: one file with its torch class and params model (see lion.py), one line in
-OPTIMIZERS. What the engine may ask of it beyond torch's Optimizer: megazero.optim.protocol.
+To add an optimizer: one file with its torch class and params model (see lion.py), and its import
+and one line in OPTIMIZERS here. Then regenerate the two files derived from the schema (tests fail
+until you do): `python -m megazero.config schema > configs/megazero.schema.json` and
+`python -m megazero.config readme-table --write README.md`. What the engine may ask of it beyond
+torch's Optimizer: megazero.optim.protocol.
 """
 
 from __future__ import annotations
