@@ -215,12 +215,12 @@ def test_config_block_bounds_and_recipe_flag(tmp_path):
         with open(os.path.join(REPO, "configs", name)) as f:
             assert json.load(f)["watchdog"] == {"enabled": True, "timeout": 60}, name
 
-    sys.path.insert(0, os.path.join(REPO, "scripts"))
-    import pretrain_gpt
+    from megazero.training import engine_config, recipe_parser
 
     def watchdog(*flags: str):
-        args = pretrain_gpt.parse_args(["--data-path", "unused", *flags])
-        return parse_config(pretrain_gpt.engine_config(args), 1).watchdog
+        parser = recipe_parser("test", os.path.join(REPO, "configs", "gpt2_cpu.json"),
+                               os.path.join(REPO, "configs", "ds_gpt2_cpu.json"))
+        return parse_config(engine_config(parser.parse_args(["--data-path", "unused", *flags])), 1).watchdog
 
     assert (watchdog().enabled, watchdog().timeout) == (True, 60.0)
     assert (watchdog("--watchdog-timeout", "15").enabled, watchdog("--watchdog-timeout", "15").timeout) == (True, 15.0)
