@@ -148,13 +148,22 @@ def step_cuda_tests(check: Check) -> None:
         print(check.tail("cuda tests", 25))
 
 
+def _train_step(check: Check, name: str, mode: str, needs_s: float) -> tuple | None:
+    """benchmarks/gpu_train.py MODE as check step NAME, if NEEDS_S seconds are left:
+    (return code, seconds, its JSON result), or None when skipped."""
+    if not check.fits(name, needs_s):
+        return None
+    out = os.path.join(check.out_dir, f"{mode}.json")
+    rc, seconds = check.run(name, [sys.executable, "benchmarks/gpu_train.py", mode, "--json", out], 150)
+    return rc, seconds, _json(out)
+
+
 def step_fused(check: Check) -> None:
     """Engine steps of the CPU-sized GPT with fused kernels on and off."""
-    if not check.fits("fused GPT", 30):
+    ran = _train_step(check, "fused GPT", "fused", 30)
+    if ran is None:
         return
-    out = os.path.join(check.out_dir, "fused.json")
-    rc, seconds = check.run("fused GPT", [sys.executable, "benchmarks/gpu_train.py", "fused", "--json", out], 150)
-    r = _json(out)
+    rc, seconds, r = ran
     parts = []
     for precision in ("fp32", "bf16"):
         if precision in r:
@@ -206,11 +215,10 @@ def step_gpu_ops(check: Check) -> None:
 
 def step_gpt2(check: Check) -> None:
     """GPT-2 124M tokens/s and MFU (bf16); the 45% goal is reported, not failed."""
-    if not check.fits("GPT-2 124M", 40):
+    ran = _train_step(check, "GPT-2 124M", "gpt2", 40)
+    if ran is None:
         return
-    out = os.path.join(check.out_dir, "gpt2.json")
-    rc, seconds = check.run("GPT-2 124M", [sys.executable, "benchmarks/gpu_train.py", "gpt2", "--json", out], 150)
-    r = _json(out)
+    rc, seconds, r = ran
     if rc != 0 or not r:
         check.add("GPT-2 124M", "TIMEOUT" if rc is None else "FAIL", seconds,
                   check.tail("GPT-2 124M", 3).strip().replace("\n", " | "))

@@ -181,52 +181,78 @@ def _schedulers() -> dict:
     return SCHEDULERS
 
 
-class OptimizerConfig(Section):
+class _TypedBlock(Section):
+    """A {"type", "params"} block: `type` names an entry of a registry, whose params model checks
+    `params` (which stays a dict of only the keys given)."""
+
+    @classmethod
+    def _unknown(cls) -> str:
+        return "is not supported"
+
+    @classmethod
+    def _models(cls) -> dict[str, type]:
+        """{registry key: params model}."""
+        raise NotImplementedError
+
+    @classmethod
+    def _names(cls) -> list[str]:
+        return list(cls._models())
+
+    @classmethod
+    def _key(cls, type_name: str) -> str:
+        return type_name
+
+    @field_validator("type", check_fields=False)
+    @classmethod
+    def _known_type(cls, value: str) -> str:
+        models = cls._models()
+        if cls._key(value) not in models:
+            raise config_error(f"'{{path}}' {value!r} {cls._unknown()}{suggest(cls._key(value), models)}; "
+                               f"choose one of {', '.join(cls._names())}")
+        return value
+
+    @field_validator("params", check_fields=False)
+    @classmethod
+    def _params_of_type(cls, value: dict, info) -> dict:
+        if "type" not in info.data:  # the type was wrong: that is the error reported
+            return value
+        return validate_given(cls._models()[cls._key(info.data["type"])], value)
+
+
+class OptimizerConfig(_TypedBlock):
     """`optimizer`: {"type": one of megazero.optim.registry.OPTIMIZERS, "params": {...}}; on CPU the C++
     op runs Adam, AdamW, Lamb and Adagrad unless `torch_adam: true`."""
 
     type: Str = Field("AdamW", description="the optimizer, any case")
     params: dict[str, Any] = Field(default_factory=dict, description="the optimizer's keys (per type, below)")
 
-    @field_validator("type")
     @classmethod
-    def _known_type(cls, value: str) -> str:
-        optimizers = _optimizers()
-        if value.lower() not in optimizers:
-            raise config_error(f"'{{path}}' {value!r} is not supported{suggest(value.lower(), optimizers)}; "
-                               f"choose one of {', '.join(spec.name for spec in optimizers.values())}")
-        return value
+    def _models(cls) -> dict[str, type]:
+        return {key: spec.params for key, spec in _optimizers().items()}
 
-    @field_validator("params")
     @classmethod
-    def _params_of_type(cls, value: dict, info) -> dict:
-        if "type" not in info.data:  # the type was wrong: that is the error reported
-            return value
-        return validate_given(_optimizers()[info.data["type"].lower()].params, value)
+    def _names(cls) -> list[str]:
+        return [spec.name for spec in _optimizers().values()]
+
+    @classmethod
+    def _key(cls, type_name: str) -> str:
+        return type_name.lower()
 
 
-class SchedulerConfig(Section):
+class SchedulerConfig(_TypedBlock):
     """`scheduler`: {"type": one of megazero.optim.lr_schedules.SCHEDULERS, "params": {...}}, with
     DeepSpeed's names, parameters and defaults."""
 
     type: Str = Field("WarmupLR", description="the LR schedule (case-sensitive, as in DeepSpeed)")
     params: dict[str, Any] = Field(default_factory=dict, description="the schedule's keys (per type, below)")
 
-    @field_validator("type")
     @classmethod
-    def _known_type(cls, value: str) -> str:
-        schedulers = _schedulers()
-        if value not in schedulers:
-            raise config_error(f"'{{path}}' {value!r} is not a known scheduler{suggest(value, schedulers)}; "
-                               f"choose one of {', '.join(schedulers)}")
-        return value
+    def _unknown(cls) -> str:
+        return "is not a known scheduler"
 
-    @field_validator("params")
     @classmethod
-    def _params_of_type(cls, value: dict, info) -> dict:
-        if "type" not in info.data:
-            return value
-        return validate_given(_schedulers()[info.data["type"]].params_model, value)
+    def _models(cls) -> dict[str, type]:
+        return {name: schedule.params_model for name, schedule in _schedulers().items()}
 
 
 class EngineConfig(Section):

@@ -11,13 +11,19 @@ from pydantic import Field, model_validator
 from megazero.config_fields import Betas, Bool, Float, Section, config_error, true_only
 
 
-class AdamWParams(Section):
-    """AdamW: Adam with decoupled weight decay."""
+class _MomentsParams(Section):
+    """What Adam, AdamW and Lamb share: Adam's two moments and decoupled weight decay."""
 
     lr: Float = Field(1e-3, ge=0, description="learning rate")
     betas: Betas = Field((0.9, 0.999), description="decay rates of the first and second moments")
     eps: Float = Field(1e-8, ge=0, description="added to the second moment's square root")
-    weight_decay: Float = Field(0.0, ge=0, description="decoupled weight decay (DeepSpeed's default 0)")
+    weight_decay: Float = Field(0.0, ge=0, description="decoupled weight decay (DeepSpeed's default 0; Lamb: "
+                                                       "inside the trust ratio)")
+
+
+class AdamWParams(_MomentsParams):
+    """AdamW: Adam with decoupled weight decay."""
+
     torch_adam: Bool = Field(False, description="use torch's optimizer instead of megazero's fused op")
     amsgrad: Bool = Field(False, description="AMSGrad's running maximum of the second moment (torch's optimizer)")
     bias_correction: true_only("Adam and AdamW always correct the moments' bias (false is Lamb's option)") = Field(
@@ -48,13 +54,9 @@ class SGDParams(Section):
         return self
 
 
-class LambParams(Section):
+class LambParams(_MomentsParams):
     """LAMB: Adam's update scaled per tensor by the trust ratio ||w|| / ||update||, clamped."""
 
-    lr: Float = Field(1e-3, ge=0, description="learning rate")
-    betas: Betas = Field((0.9, 0.999), description="decay rates of the first and second moments")
-    eps: Float = Field(1e-8, ge=0, description="added to the second moment's square root")
-    weight_decay: Float = Field(0.0, ge=0, description="decoupled weight decay, inside the trust ratio")
     bias_correction: Bool = Field(True, description="Adam's bias correction of the moments")
     max_coeff: Float = Field(10.0, gt=0, description="upper clamp of the trust ratio")
     min_coeff: Float = Field(0.01, ge=0, description="lower clamp of the trust ratio")

@@ -7,15 +7,13 @@ import pytest
 import torch
 
 from megazero.ops import cuda_ops
+from tests.ops.cuda_tolerances import DTYPES, TOLERANCE
 
 pytestmark = pytest.mark.cuda
 
 if torch.version.cuda is None or not torch.cuda.is_available():
     pytest.skip("needs a GPU and a CUDA build of torch (this is a CPU run)", allow_module_level=True)
 
-TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1e-2, atol=1e-2),
-             torch.float16: dict(rtol=1e-2, atol=1e-3)}
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 @pytest.fixture(scope="module", autouse=True)
