@@ -15,7 +15,7 @@ BERT_STAMP := $(BERT_PREFIX)_train_text_sentence.idx
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install data data-bert pretrain-gpt2 pretrain-bert test test-fast lint bench check-cuda check-gpu clean
+.PHONY: install data data-bert pretrain-gpt2 pretrain-bert test test-fast lint bench check-cuda check-gpu gpu-wheels clean
 
 install: $(INSTALL_STAMP)
 
@@ -96,8 +96,20 @@ check-cuda:
 # It installs nothing (a GPU machine often reaches no package index): GPU_PYTHON is a python with
 # a CUDA torch, by default .venv-cuda's (made by check-cuda) where there is one, else python3.
 GPU_PYTHON ?= $(if $(wildcard .venv-cuda/bin/python),.venv-cuda/bin/python,python3)
+# The packages megazero needs that a lent GPU machine's image lacks (pydantic and what it needs), as
+# wheels for its Python (3.12) in .whl/; `make gpu-wheels` here, where pip reaches an index, then
+# carry .whl/ to the GPU machine: check-gpu installs them there when pydantic is missing.
+GPU_WHEELS := pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
+GPU_WHEEL_PLATFORMS := $(foreach n,28 27 17,--platform manylinux_2_$(n)_x86_64) --platform manylinux2014_x86_64
+gpu-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		$(GPU_WHEEL_PLATFORMS) -d .whl $(GPU_WHEELS)
+
 check-gpu:
-	PYTHONUNBUFFERED=1 $(GPU_PYTHON) scripts/check_gpu.py $(ARGS)
+	@if ! $(GPU_PYTHON) -c "import pydantic" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then \
+		$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+			--target /tmp/megazero-site .whl/*.whl; fi
+	PYTHONPATH=/tmp/megazero-site:$$PYTHONPATH PYTHONUNBUFFERED=1 $(GPU_PYTHON) scripts/check_gpu.py $(ARGS)
 
 clean:
 	rm -rf checkpoints runs wandb benchmarks/results .pytest_cache
