@@ -7,6 +7,11 @@
 #     with OMP_NUM_THREADS = --cpus-per-task, MASTER_ADDR the first host, MASTER_PORT from the job id;
 #   - anywhere else: torchrun --standalone with NPROC processes (default: the GPUs, else the CPU
 #     cores this process may run on) and OMP_NUM_THREADS=1.
+# MAX_RESTARTS (default 0) is torchrun's --max-restarts: when a worker dies, torchrun stops the
+# others and starts them all again, up to that many times; the same command runs again, so the
+# recipe resumes from --load's `latest` (the launchers pass --save and --load the same directory).
+# With LAUNCHER=srun no torchrun runs: a dead rank ends the step (srun --kill-on-bad-exit) and a
+# node failure is survived by Slurm requeueing the job (sbatch --requeue; see pretrain_gpt2.sbatch).
 # PYTHON (default .venv/bin/python of the repository) runs the recipe; SAVE_DIR, when set and
 # holding a `latest`, is announced as the checkpoint the run resumes from.
 
@@ -19,9 +24,20 @@ megazero_launch() {
   local recipe=$1
   shift
   PYTHON=${PYTHON:-$(pwd)/.venv/bin/python}
+  MAX_RESTARTS=${MAX_RESTARTS:-0}
+  if ! [[ "$MAX_RESTARTS" =~ ^[0-9]+$ ]]; then
+    echo "error: MAX_RESTARTS=$MAX_RESTARTS is not a whole number of restarts (e.g. MAX_RESTARTS=3)" >&2
+    exit 2
+  fi
   if [ ! -x "$PYTHON" ]; then
     echo "error: no Python interpreter at $PYTHON; run \`make install\` in $(pwd) or set PYTHON" >&2
     exit 2
+  fi
+  if [ "$MAX_RESTARTS" != 0 ]; then
+    # torchrun (torch >= 2.5) hands every attempt of the workers the same agent-hosted TCPStore, keys
+    # and all: a restarted rank can read a killed rank's gloo/NCCL address from the attempt before and
+    # fail to connect (pytorch issue 135712). Its opt-out gives each attempt a fresh store (on rank 0).
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
   fi
   if [ -n "${SAVE_DIR:-}" ] && [ -f "$SAVE_DIR/latest" ]; then
     echo "resuming from $SAVE_DIR/$(cat "$SAVE_DIR/latest")"
@@ -42,8 +58,9 @@ megazero_launch_standalone() {
   fi
   # one compute thread per process: the processes share the cores
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-  echo "launcher torchrun --standalone, $NPROC process(es) on $(hostname)"
-  exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" "$recipe" "$@"
+  echo "launcher torchrun --standalone, $NPROC process(es) on $(hostname), max restarts $MAX_RESTARTS"
+  exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" --max-restarts="$MAX_RESTARTS" \
+    "$recipe" "$@"
 }
 
 megazero_launch_slurm() {
@@ -55,10 +72,15 @@ megazero_launch_slurm() {
   MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
   export MASTER_ADDR MASTER_PORT
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
+  # SLURM_RESTART_COUNT: how often Slurm requeued this job (node failure, scontrol requeue)
   echo "job $SLURM_JOB_ID: $SLURM_JOB_NUM_NODES node(s) [$SLURM_JOB_NODELIST], ${SLURM_NTASKS:-1} task(s)," \
-    "launcher $launcher, master $MASTER_ADDR:$MASTER_PORT"
+    "launcher $launcher, master $MASTER_ADDR:$MASTER_PORT, requeued ${SLURM_RESTART_COUNT:-0} time(s)"
   case "$launcher" in
     srun)
+      if [ "$MAX_RESTARTS" != 0 ]; then
+        echo "warning: MAX_RESTARTS=$MAX_RESTARTS is for torchrun; with LAUNCHER=srun a dead rank ends the job" \
+          "step (submit with --requeue to survive node failures, or use LAUNCHER=torchrun)" >&2
+      fi
       # srun forwards --signal and scancel's signals to every task; each rank catches them
       exec srun --kill-on-bad-exit=1 "$PYTHON" "$recipe" "$@"
       ;;
@@ -69,6 +91,7 @@ megazero_launch_slurm() {
         bash -c 'trap "" USR1; exec "$@"' torchrun \
         "$PYTHON" -m torch.distributed.run --nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$per_node" \
         --rdzv_backend=c10d --rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv_id="$SLURM_JOB_ID" \
+        --max-restarts="$MAX_RESTARTS" \
         "$recipe" "$@"
       ;;
     *)

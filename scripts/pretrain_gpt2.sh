@@ -5,7 +5,8 @@
 # Run both from the repository root; sbatch writes the log to slurm-<job id>.out there.
 # Extra flags go to scripts/pretrain_gpt.py (e.g. --train-iters 1000 --bf16).
 # Environment: NPROC (processes without Slurm), DATA_PATH, SAVE_DIR, TB_DIR, CONFIG (engine JSON),
-# MODEL_CONFIG, PYTHON, OMP_NUM_THREADS; under Slurm also LAUNCHER, NPROC_PER_NODE
+# MODEL_CONFIG, PYTHON, OMP_NUM_THREADS, MAX_RESTARTS (torchrun's --max-restarts: restart every rank
+# when one dies, resuming from SAVE_DIR/latest); under Slurm also LAUNCHER, NPROC_PER_NODE
 # (see scripts/launch_lib.bash).
 set -euo pipefail
 # Under sbatch, $0 is slurmd's spooled copy of this file: the submit directory stands in for its location.

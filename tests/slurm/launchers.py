@@ -26,7 +26,7 @@ TINY_FLAGS = {"pretrain_gpt2.sbatch": (*TINY, "--global-batch-size", "8", "--mic
               "pretrain_bert.sh": (*TINY, "--global-batch-size", "16", "--micro-batch-size", "8", "--lr", "0.001")}
 # the launchers' own knobs: a test sets only those it means to, as the README documents them
 LAUNCHER_ENV = ("MEGAZERO_DIR", "PYTHON", "LAUNCHER", "NPROC", "NPROC_PER_NODE", "DATA_PATH", "SAVE_DIR",
-                "TB_DIR", "CONFIG", "MODEL_CONFIG", "TRAIN_ITERS", "OMP_NUM_THREADS")
+                "TB_DIR", "CONFIG", "MODEL_CONFIG", "TRAIN_ITERS", "OMP_NUM_THREADS", "MAX_RESTARTS")
 BERT_PREFIX = os.path.join(REPO, "data", "bert", "shakespeare")
 
 
