@@ -16,7 +16,7 @@ import sys
 from megazero.checkpoint.engine_state import resolve_tag
 from megazero.checkpoint.files import MANIFEST_FILE
 from megazero.checkpoint.io import CheckpointError
-from megazero.checkpoint.manifest import directory_problems, read_manifest
+from megazero.checkpoint.manifest import complete_tags, directory_problems, read_manifest
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,6 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     for problem in problems:
         print(f"BAD: {problem}", file=sys.stderr)
     if problems:
+        save_dir, tag = os.path.split(os.path.normpath(path))
+        previous = complete_tags(save_dir, exclude=tag)
+        if previous:
+            print(f"the previous complete tag is {previous[-1]!r} (sizes checked; load it by tag, or with "
+                  f"load_checkpoint(..., fallback=True); recipes: --load-fallback)", file=sys.stderr)
         return 1
     total = sum(entry["size"] for entry in manifest["files"].values())
     print(f"{path}: whole: {len(manifest['files'])} files, {total:,} bytes, {manifest['algorithm']} "

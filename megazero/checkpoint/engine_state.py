@@ -266,12 +266,28 @@ def load_engine_checkpoint(engine, load_dir, tag, load_optimizer_states: bool, l
     The files are checked against the manifest first (sizes; checksums too with checkpoint.verify);
     fallback: a corrupt `latest` loads the previous complete tag, with a warning."""
     load_dir = os.fspath(load_dir)
-    tag = resolve_tag(load_dir, agree_on_tag(tag, engine.config.checkpoint.tag_validation), fallback)
+    asked = agree_on_tag(tag, engine.config.checkpoint.tag_validation)
+    tag = resolve_tag(load_dir, asked, fallback)
     if tag is None:
         warnings.warn(f"no 'latest' file in {load_dir}: nothing to load, starting from scratch", stacklevel=3)
         return None, None
     path = os.path.join(load_dir, tag)
-    verify_checkpoint_dir(path, engine.config.checkpoint.verify)
+    try:
+        verify_checkpoint_dir(path, engine.config.checkpoint.verify)
+    except CheckpointError as e:
+        # a checksum `latest`'s own size check cannot see: the same way back as for a corrupt `latest`
+        previous = complete_tags(load_dir, exclude=tag) if asked is None else []
+        if not previous:
+            raise
+        if not fallback:
+            raise CheckpointError(f"{e} (the tag `latest` names); the previous complete tag is {previous[-1]!r} "
+                                  f"(load it by tag, or with "
+                                  f"load_checkpoint(..., fallback=True); recipes: --load-fallback)") from None
+        warnings.warn(f"{e} (the tag `latest` names); loading the previous complete tag {previous[-1]!r} instead",
+                      stacklevel=3)
+        tag = previous[-1]
+        path = os.path.join(load_dir, tag)
+        verify_checkpoint_dir(path, engine.config.checkpoint.verify)
     model_name, optim_name, zero_name = _files(engine)
     mine = layout_of(engine)
     state = _read_model_state(path, model_name if os.path.isfile(os.path.join(path, model_name))

@@ -240,3 +240,21 @@ def test_keep_last_deletes_older_tags_only_after_a_newer_one_is_complete(pools, 
     assert remove_old_tags(save_dir, 1) == [] and os.path.isdir(os.path.join(save_dir, "t4"))
     pools(1).run(_save_tags, save_dir, ["t5"], 1)
     assert sorted(os.listdir(save_dir)) == ["latest", "t5"]
+
+
+def test_a_corrupt_file_in_the_latest_tag_names_the_previous_tag_and_fallback_loads_it(pools, tmp_path):
+    """A flipped byte keeps every size: only the checksums (checkpoint.verify) see it, and the way
+    back is the same as for a corrupt `latest`."""
+    save_dir = str(tmp_path / "ckpt")
+    pools(1).run(_save_tags, save_dir, ["a", "b"])
+    optim = os.path.join(save_dir, "b", "mp_rank_00_optim_states.pt")
+    data = bytearray(open(optim, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    open(optim, "wb").write(bytes(data))
+    refused = pools(1).run(_load, save_dir, True)[0]
+    assert optim in refused["error"] and "the previous complete tag is 'a'" in refused["error"], refused
+    loaded = pools(1).run(_load, save_dir, True, True)[0]
+    assert loaded["path"] == os.path.join(save_dir, "a") and loaded["client"] == {"step": 1}, loaded
+    assert any("loading the previous complete tag 'a'" in w for w in loaded["warnings"]), loaded
+    named = subprocess.run([sys.executable, VERIFY, save_dir], capture_output=True, text=True)
+    assert named.returncode == 1 and optim in named.stderr and "previous complete tag is 'a'" in named.stderr
