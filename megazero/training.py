@@ -298,15 +298,20 @@ class StopSignal:
         self.received = signum
 
 
-def save_or_stop(engine, args, it: int, rank: int) -> None:
+def save_or_stop(engine, args, it: int, rank: int, last: bool = False) -> None:
     """Save a checkpoint at iteration `it`. A failed save (every rank raises the same error, naming the
     file and the errno; the previous checkpoint stays) stops the run with that message, or with
-    --continue-on-save-failure is printed as a warning and training goes on."""
+    --continue-on-save-failure is printed as a warning and training goes on. The run's last save
+    (`last`: nothing follows to retry it) always stops with the error: the run must not exit 0
+    without its final state."""
     from megazero.checkpoint import CheckpointError
 
     try:
         engine.save_checkpoint(args.save, client_state={"iteration": it})
     except CheckpointError as e:
+        if last:
+            raise SystemExit(f"checkpoint save failed at iteration {it}, the run's last save (the last complete "
+                             f"checkpoint in {args.save}, if any, is what `latest` names): {e}") from e
         if not getattr(args, "continue_on_save_failure", False):
             raise SystemExit(f"checkpoint save failed at iteration {it}: {e}") from e
         if rank == 0:
@@ -332,7 +337,7 @@ def train_loop(engine, loader, args, log: ProgressLog, stop: StopSignal, rank: i
         if reason is None and (it % args.eval_interval == 0 or it == args.train_iters):
             val_loss = run_validation()
         if args.save and (it % args.save_interval == 0 or it == args.train_iters or reason):
-            save_or_stop(engine, args, it, rank)
+            save_or_stop(engine, args, it, rank, last=it == args.train_iters or reason is not None)
         log.window_start += time.perf_counter() - paused  # iteration time excludes evaluation and saving
         if reason == "time" and rank == 0:
             print(f"time budget of {args.train_minutes} min reached at iteration {it}", flush=True)

@@ -40,7 +40,14 @@ megazero_launch() {
     export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
   fi
   if [ -n "${SAVE_DIR:-}" ] && [ -f "$SAVE_DIR/latest" ]; then
-    echo "resuming from $SAVE_DIR/$(cat "$SAVE_DIR/latest")"
+    # only a plain tag naming a directory is announced; the recipe checks the rest (and says why)
+    local latest_tag
+    latest_tag=$(LC_ALL=C tr -d '\000' < "$SAVE_DIR/latest" | head -c 256)
+    if [ -n "$latest_tag" ] && [[ "$latest_tag" != */* ]] && [ -d "$SAVE_DIR/$latest_tag" ]; then
+      echo "resuming from $SAVE_DIR/$latest_tag"
+    else
+      echo "$SAVE_DIR/latest does not name a checkpoint directory: the recipe checks it"
+    fi
   fi
   if megazero_in_allocation; then
     megazero_launch_slurm "$recipe" "$@"
