@@ -44,6 +44,77 @@ def best_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size < 65500 else np.dtype(np.int32)
 
 
+def _write_index(path: str, dtype: np.dtype, sizes: np.ndarray, document_indices: np.ndarray) -> None:
+    """The MMIDIDX header, sizes, pointers (from the sizes) and document index, to `path`."""
+    sizes = np.asarray(sizes, dtype=np.int32)
+    doc_idx = np.asarray(document_indices, dtype=np.int64)
+    if len(doc_idx) == 0 or doc_idx[0] != 0 or doc_idx[-1] != len(sizes) or np.any(np.diff(doc_idx) < 0):
+        raise ValueError(f"document_indices must rise from 0 to {len(sizes)}")
+    pointers = np.zeros(len(sizes), dtype=np.int64)
+    if len(sizes) > 1:
+        pointers[1:] = np.cumsum(sizes[:-1].astype(np.int64)) * dtype.itemsize
+    with open(path, "wb") as f:
+        f.write(MAGIC)
+        f.write(struct.pack("<Q", VERSION))
+        f.write(struct.pack("<B", _CODE_OF[dtype]))
+        f.write(struct.pack("<Q", len(sizes)))
+        f.write(struct.pack("<Q", len(doc_idx)))
+        f.write(sizes.tobytes())
+        f.write(pointers.tobytes())
+        f.write(doc_idx.tobytes())
+
+
+class IndexedDatasetWriter:
+    """Streams prefix.bin as sequences arrive and writes prefix.idx from the sizes collected in order
+    (4 bytes per sequence and 8 per document in memory, never the tokens); both files appear only
+    at finalize() (temporary names, then rename), so a crash leaves no half-written dataset."""
+
+    def __init__(self, prefix: str, dtype: np.dtype):
+        self.prefix, self.dtype = prefix, np.dtype(dtype)
+        os.makedirs(os.path.dirname(prefix) or ".", exist_ok=True)
+        self._bin = open(prefix + ".bin.tmp", "wb")
+        self._sizes: list[np.ndarray] = []
+        self._docs: list[np.ndarray] = [np.zeros(1, dtype=np.int64)]
+        self.sequences = 0
+
+    def add(self, tokens: np.ndarray, sizes: np.ndarray, document_ends: np.ndarray | None = None) -> None:
+        """Append sequences: `tokens` back to back, `sizes` their lengths, `document_ends` (relative
+        to these sequences: the sequence count at the end of each document; default every sequence
+        a document)."""
+        tokens = np.ascontiguousarray(tokens, dtype=self.dtype)
+        sizes = np.asarray(sizes, dtype=np.int32)
+        if int(sizes.sum(dtype=np.int64)) != len(tokens):
+            raise ValueError(f"{self.prefix}: sizes sum to {int(sizes.sum())}, but {len(tokens)} tokens were given")
+        ends = np.arange(1, len(sizes) + 1) if document_ends is None else np.asarray(document_ends)
+        self._bin.write(tokens.tobytes())
+        self._sizes.append(sizes)
+        self._docs.append(ends.astype(np.int64) + self.sequences)
+        self.sequences += len(sizes)
+
+    def append_dataset(self, part: IndexedDataset, copy_bytes: int = 64 << 20) -> None:
+        """Append every sequence and document of `part` (its .bin copied in `copy_bytes` pieces)."""
+        with open(part.prefix + ".bin", "rb") as f:
+            while piece := f.read(copy_bytes):
+                self._bin.write(piece)
+        self._sizes.append(np.array(part.sizes))
+        self._docs.append(part.document_indices[1:] + self.sequences)
+        self.sequences += len(part.sizes)
+
+    def abort(self) -> None:
+        """Remove the temporary .bin (after an error: nothing is left half-written)."""
+        self._bin.close()
+        if os.path.exists(self.prefix + ".bin.tmp"):
+            os.remove(self.prefix + ".bin.tmp")
+
+    def finalize(self) -> None:
+        """Write the .idx and move both files into place."""
+        self._bin.close()
+        sizes = np.concatenate(self._sizes) if self._sizes else np.zeros(0, np.int32)
+        _write_index(self.prefix + ".idx.tmp", self.dtype, sizes, np.concatenate(self._docs))
+        os.replace(self.prefix + ".bin.tmp", self.prefix + ".bin")
+        os.replace(self.prefix + ".idx.tmp", self.prefix + ".idx")
+
+
 def write_indexed_dataset(prefix: str, documents: list[list[int]] | list[np.ndarray], dtype: np.dtype,
                           document_indices: list[int] | None = None) -> None:
     """Write prefix.bin and prefix.idx atomically (temporary names, then rename).
@@ -53,30 +124,32 @@ def write_indexed_dataset(prefix: str, documents: list[list[int]] | list[np.ndar
     documents, e.g. a document's sentences for BERT; by default every sequence is a document.
     """
     dtype = np.dtype(dtype)
-    os.makedirs(os.path.dirname(prefix) or ".", exist_ok=True)
-    sizes = np.array([len(d) for d in documents], dtype=np.int32)
-    pointers = np.zeros(len(documents), dtype=np.int64)
-    if len(documents) > 1:
-        pointers[1:] = np.cumsum(sizes[:-1].astype(np.int64)) * dtype.itemsize
-    tmp_bin, tmp_idx = prefix + ".bin.tmp", prefix + ".idx.tmp"
-    with open(tmp_bin, "wb") as f:
-        for doc in documents:
-            f.write(np.asarray(doc, dtype=dtype).tobytes())
-    with open(tmp_idx, "wb") as f:
-        f.write(MAGIC)
-        f.write(struct.pack("<Q", VERSION))
-        f.write(struct.pack("<B", _CODE_OF[dtype]))
-        f.write(struct.pack("<Q", len(documents)))
-        doc_idx = np.arange(len(documents) + 1, dtype=np.int64) if document_indices is None \
-            else np.asarray(document_indices, dtype=np.int64)
-        if doc_idx[0] != 0 or doc_idx[-1] != len(documents) or np.any(np.diff(doc_idx) < 0):
-            raise ValueError(f"document_indices must rise from 0 to {len(documents)}")
-        f.write(struct.pack("<Q", len(doc_idx)))
-        f.write(sizes.tobytes())
-        f.write(pointers.tobytes())
-        f.write(doc_idx.tobytes())
-    os.replace(tmp_bin, prefix + ".bin")
-    os.replace(tmp_idx, prefix + ".idx")
+    doc_idx = np.arange(len(documents) + 1, dtype=np.int64) if document_indices is None \
+        else np.asarray(document_indices, dtype=np.int64)
+    if len(doc_idx) == 0 or doc_idx[0] != 0 or doc_idx[-1] != len(documents) or np.any(np.diff(doc_idx) < 0):
+        raise ValueError(f"document_indices must rise from 0 to {len(documents)}")
+    writer = IndexedDatasetWriter(prefix, dtype)
+    arrays = [np.asarray(d, dtype=dtype) for d in documents]
+    tokens = np.concatenate(arrays) if arrays else np.zeros(0, dtype)
+    writer.add(tokens, np.array([len(a) for a in arrays], dtype=np.int32), doc_idx[1:])
+    writer.finalize()
+
+
+def merge_indexed_datasets(prefixes: list[str], output_prefix: str, copy_bytes: int = 64 << 20) -> None:
+    """Join datasets (same dtype) into one, in the given order: the .bin files back to back (copied
+    in `copy_bytes` pieces), the sizes and document indices concatenated. The result is byte for
+    byte the dataset one writer would have made from the same sequences."""
+    parts = [IndexedDataset(p) for p in prefixes]
+    if not parts:
+        raise ValueError("merge_indexed_datasets: no datasets given")
+    for part in parts[1:]:
+        if part.dtype != parts[0].dtype:
+            raise DatasetFormatError(f"{part.prefix}: dtype {part.dtype.name}, expected {parts[0].dtype.name} "
+                                     f"(that of {parts[0].prefix}): datasets from different tokenizers?")
+    writer = IndexedDatasetWriter(output_prefix, parts[0].dtype)
+    for part in parts:
+        writer.append_dataset(part, copy_bytes)
+    writer.finalize()
 
 
 class IndexedDataset:
@@ -159,3 +232,53 @@ class IndexedDataset:
     def num_tokens(self) -> int:
         """All tokens in the .bin."""
         return int(self.sizes.sum())
+
+
+class DocumentRange:
+    """Documents [first, end) of an IndexedDataset read as a dataset of their own (the same
+    attributes, `tokens` a view of the mapped .bin): a train, valid or test part of Megatron's
+    --split by documents."""
+
+    def __init__(self, indexed: IndexedDataset, first: int, end: int):
+        if not 0 <= first <= end < len(indexed.document_indices):
+            raise ValueError(f"{indexed.prefix}: documents [{first}, {end}) are outside the "
+                             f"{len(indexed.document_indices) - 1} it has")
+        self.prefix, self.dtype, self.first, self.end = indexed.prefix, indexed.dtype, first, end
+        seq0, seq1 = int(indexed.document_indices[first]), int(indexed.document_indices[end])
+        self.sizes = indexed.sizes[seq0:seq1]
+        base = int(indexed.pointers[seq0]) if seq1 > seq0 else 0
+        self.pointers = indexed.pointers[seq0:seq1] - base
+        self.document_indices = indexed.document_indices[first:end + 1] - seq0
+        start = base // self.dtype.itemsize
+        self.tokens = indexed.tokens[start:start + int(self.sizes.sum())]
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        """Token ids of sequence i of the range."""
+        start = int(self.pointers[i]) // self.dtype.itemsize
+        return np.asarray(self.tokens[start:start + int(self.sizes[i])])
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the range."""
+        return int(self.sizes.sum())
+
+
+def split_documents(split: str, documents: int) -> list[tuple[int, int]]:
+    """[first, end) of the train, valid and test documents for a Megatron --split such as
+    "969,30,1" (weights, normalised; rounded as Megatron does, the last part absorbing the rest)."""
+    try:
+        parts = [float(s) for s in split.replace("/", ",").split(",")]
+    except ValueError:
+        raise ValueError(f"--split {split!r}: expected up to 3 comma-separated numbers, e.g. 969,30,1") from None
+    parts = (parts + [0.0, 0.0])[:3]
+    if len(split.split(",")) > 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
+        raise ValueError(f"--split {split!r}: expected up to 3 non-negative numbers with a positive sum")
+    bounds = [0]
+    for p in parts:
+        bounds.append(bounds[-1] + int(round(p / sum(parts) * documents)))
+    diff = bounds[-1] - documents
+    bounds = [bounds[0]] + [b - diff for b in bounds[1:]]
+    return [(bounds[i], bounds[i + 1]) for i in range(3)]
