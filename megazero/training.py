@@ -11,31 +11,52 @@ line). Nothing here knows a model family: the script builds the model and the da
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
 
 import megazero
 from megazero import parallel_state
-from megazero.config import ConfigError, load_config_source
+from megazero.config import ConfigError, load_config_source, resolve_batch_triad
 from megazero.data import DistributedBatchLoader, SentencePieceTokenizer
+from megazero.data.data_paths import DataSplits, build_splits, first_prefix
 from megazero.distributed import all_reduce_values
 from megazero.profiling import measure_peak_flops
 from megazero.profiling.throughput import peak_cache_path
 
 
+def default_tokenizer(prefix: str) -> str:
+    """The tokenizer of data prefix P: P_tokenizer.model, else the one P_stats.json names (an output
+    of --output-per-input or --partitions), else that of P without _text_document/_text_sentence."""
+    candidates = [prefix] + [prefix[:-len(s)] for s in ("_text_document", "_text_sentence") if prefix.endswith(s)]
+    for p in candidates:
+        if os.path.isfile(p + "_tokenizer.model"):
+            return p + "_tokenizer.model"
+        if os.path.isfile(p + "_stats.json"):
+            with open(p + "_stats.json") as f:
+                named = json.load(f).get("tokenizer_model")
+            if named and os.path.isfile(named):
+                return named
+    return prefix + "_tokenizer.model"
+
+
 class RecipeParser(argparse.ArgumentParser):
-    """An ArgumentParser that fills --tokenizer-model's default: P_tokenizer.model for --data-path P."""
+    """An ArgumentParser that fills --tokenizer-model's default (default_tokenizer() of the first
+    data prefix) and requires --data-path or --train-data-path."""
 
     def parse_known_args(self, args=None, namespace=None):
         parsed, rest = super().parse_known_args(args, namespace)
-        if getattr(parsed, "tokenizer_model", None) is None and getattr(parsed, "data_path", None):
-            parsed.tokenizer_model = parsed.data_path + "_tokenizer.model"
+        if hasattr(parsed, "data_path"):
+            if bool(parsed.data_path) == bool(parsed.train_data_path):
+                self.error("give one of --data-path (with --split) or --train-data-path (with --valid-data-path)")
+            if parsed.tokenizer_model is None:
+                parsed.tokenizer_model = default_tokenizer(first_prefix(parsed))
         return parsed, rest
 
 
@@ -64,9 +85,15 @@ def recipe_parser(description: str, model_config: str, engine_config_path: str) 
     p.add_argument("--train-minutes", type=float, default=None,
                    help="stop (saving a checkpoint) after this much training time in this run")
     p.add_argument("--lr", type=float, help="overrides the optimizer's lr")
-    p.add_argument("--data-path", required=True,
-                   help="prefix P of P_train_text_document and P_valid_text_document (.bin/.idx)")
-    p.add_argument("--tokenizer-model", default=None, help="default: P_tokenizer.model")
+    p.add_argument("--data-path", nargs="+", default=None,
+                   help="prefix P of P_train_text_document and P_valid_text_document (.bin/.idx), or of one "
+                        "dataset cut by --split; or weight-prefix pairs W1 P1 W2 P2 ... to blend (weights normalised)")
+    p.add_argument("--split", default="969,30,1",
+                   help="train,valid,test weights cutting a one-dataset --data-path prefix by documents")
+    for split in ("train", "valid", "test"):
+        p.add_argument(f"--{split}-data-path", nargs="+", default=None,
+                       help=f"the {split} datasets' prefixes (or weight-prefix pairs), instead of --data-path")
+    p.add_argument("--tokenizer-model", default=None, help="default: P_tokenizer.model of the first prefix")
     p.add_argument("--save", default=None)
     p.add_argument("--load", default=None)
     p.add_argument("--load-fallback", action="store_true",
@@ -178,16 +205,59 @@ def evaluate(engine, dataset, iters: int, measure: Callable[[dict], dict] | None
     return {key: total / batches for key, total in zip(sums, totals)}
 
 
-def run_evaluation(engine, valid, args: argparse.Namespace, rank: int, unigram: float | None) -> float:
-    """Evaluate the mean loss on `valid` over --eval-iters micro-batches per rank; print and log
-    it with its perplexity (and, when known, the data's unigram entropy to compare with)."""
-    loss = evaluate(engine, valid, args.eval_iters)["loss"]
+def build_datasets(args: argparse.Namespace, make: Callable[[object, str], object], kind: str = "document",
+                   description: dict | None = None) -> DataSplits:
+    """The run's datasets from --data-path/--split or --{train,valid,test}-data-path: make(indexed
+    data, "train"/"valid"/"test") builds each; several train datasets are blended by weight, over a
+    block of --train-iters x global batch samples (every rank builds the same blend; rank 0 caches
+    it under the data directory first)."""
+    config = engine_config(args)
+    dp = dist.get_world_size() // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size) \
+        if dist.is_initialized() else 1
+    try:
+        batch, _, _ = resolve_batch_triad(config.get("train_batch_size"),
+                                          config.get("train_micro_batch_size_per_gpu"),
+                                          config.get("gradient_accumulation_steps"), dp)
+    except ConfigError:
+        batch = 1  # train() stops with the config error, naming the file, before any step
+    return build_splits(args, kind, make, max(1, args.train_iters) * batch,
+                        {"seed": args.seed, "seq_length": getattr(args, "seq_length", None), **(description or {})})
+
+
+def evaluate_datasets(engine, valid, iters: int, weights: dict[str, float] | None = None,
+                      measure: Callable[[dict], dict] | None = None) -> dict[str, dict[str, float]]:
+    """evaluate() of each dataset of `valid` ({name: dataset}; a lone dataset, or the only one, is
+    named ""), plus, when there are several, "" for their mean weighted by `weights` (default: equal)."""
+    if not isinstance(valid, Mapping) or len(valid) == 1:
+        valid = {"": valid if not isinstance(valid, Mapping) else next(iter(valid.values()))}
+    results = {name: evaluate(engine, data, iters, measure) for name, data in valid.items()}
+    if len(results) > 1:
+        w = weights or {name: 1 / len(results) for name in results}
+        results[""] = {key: sum(w[n] * r[key] for n, r in results.items()) for key in next(iter(results.values()))}
+    return results
+
+
+def run_evaluation(engine, valid, args: argparse.Namespace, rank: int, unigram: float | None,
+                   weights: dict[str, float] | None = None, label: str = "validation") -> float:
+    """Evaluate the mean loss on `valid` (a dataset, or {name: dataset}: then each one's loss too,
+    as `lm loss validation/<name>`, and their mean weighted by `weights`) over --eval-iters
+    micro-batches per rank; print and log it with its perplexity (and, when known, the data's
+    unigram entropy to compare with). `label` "test": the same for the test datasets."""
+    results = evaluate_datasets(engine, valid, args.eval_iters, weights)
     it = engine.global_steps
+    scalars = {}
+    for name, result in results.items():
+        if name:
+            scalars[f"lm loss {label}/{name}"] = result["loss"]
+            if rank == 0:
+                print(f" {label} at iteration {it} | {name} | lm loss: {result['loss']:.4f} | "
+                      f"lm loss PPL: {math.exp(result['loss']):.2f}", flush=True)
+    loss = results[""]["loss"]
     if rank == 0:
         ref = f" (unigram entropy {unigram:.3f})" if unigram is not None else ""
-        print(f" validation at iteration {it} | lm loss: {loss:.4f} | lm loss PPL: {math.exp(loss):.2f}{ref}",
+        print(f" {label} at iteration {it} | lm loss: {loss:.4f} | lm loss PPL: {math.exp(loss):.2f}{ref}",
               flush=True)
-    engine.monitor.write(it, {"lm loss validation": loss, "lm loss validation ppl": math.exp(loss)})
+    engine.monitor.write(it, {f"lm loss {label}": loss, f"lm loss {label} ppl": math.exp(loss), **scalars})
     engine.monitor.flush()
     return loss
 

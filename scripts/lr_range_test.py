@@ -20,7 +20,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 import megazero
 from megazero import parallel_state, training
-from megazero.data import GPTDataset, IndexedDataset
+from megazero.data import GPTDataset
 from megazero.data.vocab_check import check_token_ids
 from models.gpt import GPTConfig
 from models.parallelize import parallelize
@@ -83,7 +83,8 @@ def main(argv=None) -> dict:
     _, grid, tokenizer = training.start_run(args)
     model = parallelize(GPTConfig.from_json(args.model_config, vocab_size=tokenizer.vocab_size,
                                             **training.model_overrides(args)), grid)
-    train = GPTDataset(IndexedDataset(args.data_path + "_train_text_document"), model.config.seq_length, seed=args.seed)
+    train = training.build_datasets(args, lambda indexed, split: GPTDataset(indexed, model.config.seq_length,
+                                                                            seed=args.seed)).train
     check_token_ids(train.indexed, tokenizer.vocab_size, args.tokenizer_model)
     config = training.engine_config(args)
     config.pop("tensorboard", None)

@@ -14,7 +14,6 @@ import math
 import os
 
 from megazero import training
-from megazero.data import IndexedDataset
 from megazero.data.bert_dataset import BertDataset
 from megazero.profiling import gpt_flops_per_token
 from models.bert import Bert, BertConfig
@@ -56,10 +55,18 @@ def bert_metrics(engine, dataset: BertDataset, args) -> dict[str, float]:
     return result
 
 
-def run_validation(engine, valid: BertDataset, args, rank: int) -> float:
-    """Evaluate, print and log; returns the validation loss."""
-    result = bert_metrics(engine, valid, args)
+def run_validation(engine, valid: dict[str, BertDataset], weights: dict[str, float], args, rank: int) -> float:
+    """Evaluate each validation dataset, print and log (with several: each one's as
+    `lm loss validation/<name>`, then their weighted mean); returns the validation loss."""
+    results = {name: bert_metrics(engine, data, args) for name, data in valid.items()}
     it = engine.global_steps
+    if len(results) > 1:
+        for name, result in results.items():
+            engine.monitor.write(it, {f"lm loss validation/{name}": result["loss"]})
+            if rank == 0:
+                print(f" validation at iteration {it} | {name} | lm loss: {result['loss']:.4f}", flush=True)
+        results = {"": {k: sum(weights[n] * r[k] for n, r in results.items()) for k in next(iter(results.values()))}}
+    result = next(iter(results.values()))
     if rank == 0:
         extra = ""
         if "mlm" in result:
@@ -82,12 +89,16 @@ def main(argv=None) -> dict:
     num_params = count_parameters(Bert, config.single_process())  # the same at every layout
     flops = gpt_flops_per_token(num_params, config.num_layers, config.hidden_size, config.seq_length)
 
-    # the data: sentence pairs with masked tokens, from P_train/P_valid_text_sentence
+    # the data: sentence pairs with masked tokens, from --data-path's P_train/P_valid_text_sentence
+    # (or weights and prefixes to blend, or one dataset cut by --split)
     special = {piece: tokenizer.token_id(piece) for piece in SPECIAL_PIECES}
-    train_data, valid_data = (
-        BertDataset(IndexedDataset(f"{args.data_path}_{split}_text_sentence"), config.seq_length, special,
-                    tokenizer.vocab_size, seed=args.seed, binary_head=config.binary_head, shuffle=split == "train")
-        for split in ("train", "valid"))
+
+    def make(indexed, split: str) -> BertDataset:
+        return BertDataset(indexed, config.seq_length, special, tokenizer.vocab_size, seed=args.seed,
+                           binary_head=config.binary_head, shuffle=split == "train")
+
+    data = training.build_datasets(args, make, kind="sentence")
+    train_data, valid_data = data.train, next(iter(data.valid.values()))
 
     def finish(engine, val_loss: float | None, reason: str | None) -> dict:
         """A final evaluation (not after a preemption signal)."""
@@ -98,7 +109,7 @@ def main(argv=None) -> dict:
 
     return training.train(args, model, train_data, grid=grid, name="BERT", num_params=num_params,
                           flops_per_token=flops, finish=finish,
-                          validate=lambda engine: run_validation(engine, valid_data, args, rank),
+                          validate=lambda engine: run_validation(engine, data.valid, data.valid_weights, args, rank),
                           details=lambda peak: f"{len(train_data):,} training samples, {config.binary_head} head")
 
 
