@@ -77,7 +77,8 @@ def main() -> None:
     corpus = os.path.join(args.data_dir, "shakespeare")
     result = {"blend_index_seconds": blend_build_seconds(args.blend_samples), "blend_samples": args.blend_samples,
               "cpus": os.cpu_count(), "runs": []}
-    print(f"blend index, 3 datasets x {args.blend_samples:,} samples: {result['blend_index_seconds']:.2f} s", flush=True)
+    print(f"blend index, 3 datasets x {args.blend_samples:,} samples: {result['blend_index_seconds']:.2f} s",
+          flush=True)
     work = tempfile.mkdtemp(dir=args.work_dir, prefix="bench_preprocess_")
     try:
         out_dir = os.path.join(work, "out")
