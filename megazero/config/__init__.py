@@ -79,6 +79,10 @@ class ZeroConfig(Section):
         100_000, ge=0, description="stage 3: parameters smaller than this stay whole on every rank")
     stage3_prefetch_bucket_size: Int = Field(
         50_000_000, ge=0, description="stage 3: prefetch the next layer's parameters up to this size (0: off)")
+    stage3_module_granularity_threshold: Int = Field(
+        0, ge=0, description="stage 3: a module whose subtree averages at most this many parameter elements "
+                             "per module is fetched as one unit with its children (0: every module owning "
+                             "parameters is a unit)")
     contiguous_gradients: true_only("megazero always keeps gradients in contiguous buffers") = Field(
         True, description="gradient partitions are always one contiguous buffer here (true only)")
     reduce_scatter: true_only("gradients are always reduce-scattered") = Field(

@@ -1,19 +1,21 @@
 """ZeRO stage 3: parameters partitioned too; each unit is gathered just before use and released after.
 
-Units: every element of an `nn.ModuleList` (the transformer layers) is a unit; the parameters
-outside them (embeddings, final norm, a tied output layer used in the root's own forward) form the
-root unit, gathered for the whole forward and backward. Per unit, optimizer param group and
-persistence, a `_Shard` holds this rank's chunks of the flat parameters (model dtype), of the fp32
-master weights and of the gradients, the flat layout cut into buckets of `reduce_bucket_size`.
-A unit's parameters are all-gathered before its forward, released after it, gathered again when
-the gradient of its output arrives (just before its backward), and released once all its
-gradients have been copied into the reduce buckets (`shard_buckets`: reduce-scattered
-`reduce_bucket_size` elements at a time, during backward with `overlap_comm`, synchronously in
-the hook without). Parameters under `stage3_param_persistence_threshold` elements stay gathered,
-as in DeepSpeed. Once the first step has shown the order the layers run in, the next layer's
-gather is started while the current one computes (forward: the next layer; backward: the previous
-one), for units up to `stage3_prefetch_bucket_size` elements. After the optimizer step only the
-shards change: the next forward gathers anew (persistent shards are all-gathered right away).
+Units (`megazero.zero.units`): as in DeepSpeed, every module that directly owns parameters, of any
+model (`nn.Sequential`, `nn.ModuleList`, named attributes), small subtrees merged into one unit by
+`stage3_module_granularity_threshold`. Per unit, optimizer param group and persistence, a `_Shard`
+holds this rank's chunks of the flat parameters (model dtype), of the fp32 master weights and of
+the gradients, the flat layout cut into buckets of `reduce_bucket_size`. A unit's parameters are
+all-gathered before its forward, released after it, gathered again when the gradient of its
+output arrives (just before its backward), and released once all its gradients have been copied
+into the reduce buckets (`shard_buckets`: reduce-scattered `reduce_bucket_size` elements at a
+time, during backward with `overlap_comm`, synchronously in the hook without); parameters read
+outside their unit's forward (tied weights) are fetched on the read (`megazero.zero.unit_hooks`).
+All fetching and releasing goes through one `UnitFetcher` (`megazero.zero.fetch`). Parameters
+under `stage3_param_persistence_threshold` elements stay gathered, as in DeepSpeed. Once the first
+step has shown the order the units run in, the next unit's gather is started while the current one
+computes (forward: the next unit; backward: the previous one), for units up to
+`stage3_prefetch_bucket_size` elements. After the optimizer step only the shards change: the next
+forward gathers anew (persistent shards are all-gathered right away).
 """
 
 from __future__ import annotations
@@ -23,10 +25,13 @@ import torch.distributed as dist
 
 from megazero.zero.buckets import InflightLimit
 from megazero.zero.collectives import Handle, all_gather_chunks
+from megazero.zero.fetch import UnitFetcher
 from megazero.zero.init import materialize_init_shard
 from megazero.zero.layout import FlatLayout
 from megazero.zero.master_partitions import MasterPartitions
 from megazero.zero.shard_buckets import ShardedGradients
+from megazero.zero.unit_hooks import UnitHooks
+from megazero.zero.units import plan_units
 
 
 def _empty_like(p: torch.Tensor) -> torch.Tensor:
@@ -96,48 +101,6 @@ class _Shard:
                 self.master_flat.copy_(self.shard)
 
 
-class _Unit:
-    """A module whose parameters are gathered and released together."""
-
-    def __init__(self, module: torch.nn.Module, shards: list[_Shard], is_root: bool):
-        self.module = module
-        self.shards = shards
-        self.is_root = is_root
-        self.gathered = all(s.persistent for s in shards)
-        self.grads_pending = 0
-        self.num_params = sum(len(s.layout.params) for s in shards)
-        self.numel = sum(s.layout.numel for s in shards if not s.persistent)
-        self._pending: list[Handle] = []  # a prefetch in flight
-
-    def prefetch(self) -> bool:
-        """Start gathering without waiting (the next gather() waits for it); False if there was nothing to start."""
-        if self.gathered or self._pending:
-            return False
-        self._pending = [s.start_gather() for s in self.shards if not s.persistent]
-        return True
-
-    def gather(self) -> None:
-        """Make every parameter of the unit whole (no-op when it already is)."""
-        if self.gathered:
-            return
-        self.prefetch()
-        for h in self._pending:
-            h.wait()
-        self._pending = []
-        self.gathered = True
-
-    def release(self) -> None:
-        """Free the unit's non-persistent full parameters."""
-        if self._pending:  # a prefetch that was not used: complete the collective first
-            self.gather()
-        if not self.gathered or all(s.persistent for s in self.shards):
-            return
-        for s in self.shards:
-            if not s.persistent:
-                s.release()
-        self.gathered = False
-
-
 class ShardedState(MasterPartitions):
     """ZeRO stage 3 over the optimizer's param groups (same interface as ReplicatedState)."""
 
@@ -145,24 +108,15 @@ class ShardedState(MasterPartitions):
 
     def __init__(self, model: torch.nn.Module, groups: list[list[torch.nn.Parameter]], group,
                  persistence_threshold: int, prefetch_numel: int = 50_000_000,
-                 bucket_numel: int = 500_000_000, overlap: bool = True):
+                 bucket_numel: int = 500_000_000, overlap: bool = True, granularity_threshold: int = 0):
         self.group = group
-        self.prefetch_numel = prefetch_numel
-        self.prefetches = 0  # gathers started ahead of use (forward: the next unit; backward: the previous)
-        self._trace: list[_Unit] = []  # units in the order the first forward ran them
-        self._trace_done = False
         self.world_size = dist.get_world_size(group)
+        self.fetcher = UnitFetcher(prefetch_numel)
         group_of = {id(p): i for i, g in enumerate(groups) for p in g}
-        unit_modules = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
-        unit_roots = [child for mlist in unit_modules for child in mlist]
-        in_unit = {id(p) for u in unit_roots for p in u.parameters()}
-        plan = [(model, [p for p in model.parameters() if id(p) not in in_unit], True)]
-        plan += [(u, list(u.parameters()), False) for u in unit_roots]
-        self.units: list[_Unit] = []
-        for module, params, is_root in plan:
+        for plan in plan_units(model, granularity_threshold):
             shards = []
             for gi in range(len(groups)):
-                mine = [p for p in params if group_of.get(id(p)) == gi]
+                mine = [p for p in plan.params if group_of.get(id(p)) == gi]
                 for p in mine:  # built under zero.Init: whole again, one unit at a time
                     materialize_init_shard(p, group)
                 # as in DeepSpeed, parameters under the threshold stay whole (biases, norms: tiny
@@ -172,68 +126,28 @@ class ShardedState(MasterPartitions):
                 for persistent, these in ((True, whole), (False, split)):
                     if these:
                         shards.append(_Shard(these, gi, group, persistent, bucket_numel))
-            unit = _Unit(module, shards, is_root)
+            if not shards:
+                continue  # parameters outside the optimizer's groups (frozen): left as they are
+            unit = self.fetcher.add(plan.module, shards)
             for shard in shards:
                 for p in shard.layout.params:
                     p._megazero_unit, p._megazero_shard = unit, shard
-            self.units.append(unit)
+        self.units = self.fetcher.units
         # optimizer state index i <-> self.parts[i]: ordered by param group, then unit
         self.parts = sorted((s for u in self.units for s in u.shards), key=lambda s: s.group_index)
-        # backward produces the last layer's gradients first and the root's (embeddings) last
-        backward_order = [s for u in self.units[:0:-1] + self.units[:1] for s in u.shards]
+        # backward produces the gradients of the units roughly in reverse module order (the last
+        # layer first, the embeddings last)
+        backward_order = [s for u in reversed(self.units) for s in u.shards]
         device = self.parts[0].device if self.parts else torch.device("cpu")
         self.grads = ShardedGradients(backward_order, bucket_numel, group, self.world_size, dist.get_rank(group),
                                       overlap, device, InflightLimit())
-        self._install_hooks()  # after the gradient hooks: a unit is released once its gradients are copied
+        # after the gradient hooks: a unit is released once its gradients are copied
+        self.hooks = UnitHooks(model, self.units, self.fetcher)
 
-    # ---- hooks ---------------------------------------------------------------------------------
-    def _install_hooks(self) -> None:
-        for unit in self.units:
-            unit.module.register_forward_pre_hook(lambda mod, args, unit=unit: self._before_forward(unit))
-            unit.module.register_forward_hook(lambda mod, args, out, unit=unit: self._after_forward(unit, out))
-            for shard in unit.shards:
-                for p in shard.layout.params:
-                    p.register_post_accumulate_grad_hook(lambda p, unit=unit: self._grad_arrived(unit))
-
-    def _neighbour(self, unit: _Unit, step: int) -> _Unit | None:
-        if not self._trace_done or unit.is_root or unit not in self._trace:
-            return None
-        index = self._trace.index(unit) + step
-        return self._trace[index] if 0 <= index < len(self._trace) else None
-
-    def _prefetch(self, unit: _Unit | None) -> None:
-        if unit is not None and 0 < unit.numel <= self.prefetch_numel and unit.prefetch():
-            self.prefetches += 1
-
-    def _before_forward(self, unit: _Unit) -> None:
-        unit.gather()
-        if not self._trace_done and not unit.is_root:
-            self._trace.append(unit)
-        self._prefetch(self._neighbour(unit, +1))  # the next layer's gather overlaps this layer's forward
-
-    def _before_backward(self, unit: _Unit) -> None:
-        unit.gather()
-        self._prefetch(self._neighbour(unit, -1))  # backward runs the layers in reverse
-
-    def _after_forward(self, unit: _Unit, output) -> None:
-        if torch._C._current_autograd_node() is not None:
-            return  # activation checkpointing recomputes inside backward: the unit must stay gathered
-        if not torch.is_grad_enabled():
-            if not unit.is_root:
-                unit.release()
-            return
-        unit.grads_pending = unit.num_params
-        if unit.is_root:
-            return  # the root stays whole until its gradients are in
-        unit.release()
-        for tensor in _tensors(output):
-            if tensor.requires_grad:
-                tensor.register_hook(lambda grad, unit=unit: self._before_backward(unit))
-
-    def _grad_arrived(self, unit: _Unit) -> None:
-        unit.grads_pending -= 1
-        if unit.grads_pending == 0:
-            unit.release()
+    @property
+    def prefetches(self) -> int:
+        """Gathers started ahead of use (forward: the next unit; backward: the previous)."""
+        return self.fetcher.prefetches
 
     # ---- the engine's interface ------------------------------------------------------------------
     @property
@@ -253,9 +167,8 @@ class ShardedState(MasterPartitions):
     def reduce_gradients(self) -> None:
         """Wait for every shard's reduce-scatter; release what backward left gathered."""
         self.grads.finish_reduction()
-        for unit in self.units:
-            unit.release()
-        self._trace_done = True
+        self.fetcher.release_all()
+        self.fetcher.finish_order()
 
     def copy_targets(self) -> dict[int, torch.Tensor]:
         """{id(master): its 16-bit parameter shard} the optimizer may write in its update pass."""
@@ -290,13 +203,3 @@ class ShardedState(MasterPartitions):
         for s in self.parts:
             s.grad_partition.zero_()
 
-
-def _tensors(output):
-    if isinstance(output, torch.Tensor):
-        yield output
-    elif isinstance(output, (list, tuple)):
-        for item in output:
-            yield from _tensors(item)
-    elif isinstance(output, dict):
-        for item in output.values():
-            yield from _tensors(item)

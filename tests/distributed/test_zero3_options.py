@@ -46,6 +46,7 @@ def _train_and_observe(prefix: str, zero: dict, extra: dict | None = None) -> di
             partitioned=[s.layout.numels[p] for s in shards if not s.persistent for p in s.layout.params],
             held_outside_forward=[p.numel() for s in shards if not s.persistent for p in s.layout.params],
             layer_numel=sum(p.numel() for p in engine.module.blocks[0].parameters()),
+            partitioned_units=sum(1 for u in dp.units if u.numel),
             model_numel=sum(s.layout.unpadded_numel for s in shards))
     return out
 
@@ -75,8 +76,11 @@ def test_stage3_defaults_keep_small_parameters_whole_and_prefetch(pools, single_
         assert result["whole"] and max(result["whole"]) < 100_000, result["whole"]
         assert result["partitioned"] and min(result["partitioned"]) >= 100_000, result["partitioned"]
         assert result["held_outside_forward"] == [0] * len(result["partitioned"])
-        # 2 layers: from step 2 on, each forward prefetches layer 1 and each backward layer 0
-        assert result["prefetches"] == 2 * (STEPS - 1), result["prefetches"]
+        # the units with partitioned parameters (2 layers x qkv, fc, proj): from step 2 on, each
+        # forward prefetches every one of them (the first while the embeddings run), and each
+        # backward again (the last while the head's backward runs)
+        assert result["partitioned_units"] == 6, result["partitioned_units"]
+        assert result["prefetches"] == 2 * result["partitioned_units"] * (STEPS - 1), result["prefetches"]
 
 
 def test_stage3_without_prefetch(pools, single_process, token_dataset_prefix_module):

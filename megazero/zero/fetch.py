@@ -1,0 +1,141 @@
+"""Fetching and releasing ZeRO-3 units: the one place where partitioned parameters become whole.
+
+`UnitFetcher` is the interface the hooks (`megazero.zero.unit_hooks`), `GatheredParameters` and
+the engine go through; nothing else makes a unit whole or frees it:
+
+    fetch(unit)            the unit's parameters are whole when it returns (waits for a prefetch)
+    prefetch(unit) -> bool start making it whole without waiting (False: nothing to start)
+    release(unit)          free its non-persistent whole parameters (completes a prefetch first)
+    release_all()          release every unit (end of backward)
+    record(unit)           the first step's order of unit forwards (the prefetch order)
+    prefetch_next(unit, step)  prefetch the nearest unit after (+1) / before (-1) `unit` in that
+                           order that has something to gather, if it is within the prefetch size
+    live_bytes / peak_bytes / reset_peak()   whole non-persistent parameter bytes held (buffers
+                           of gathers in flight included)
+
+A unit's parameters are made whole by its shards (`_Shard.start_gather`, an all-gather of this
+rank's chunks into a new buffer the parameters then point into) and freed by `_Shard.release`;
+a placement of the partitions elsewhere (host memory, NVMe) replaces those two, under this class.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megazero.zero.collectives import Handle
+
+
+class Unit:
+    """A module whose parameters (`shards`: per param group, persistent or not) are fetched and
+    released together. `held`: fetched on an access outside its own forward (a tied weight, a
+    parent's functional use), so kept whole until its gradients are in (or the forward ends,
+    without grad)."""
+
+    def __init__(self, module: torch.nn.Module, shards: list, fetcher: UnitFetcher):
+        self.module = module
+        self.shards = shards
+        self.fetcher = fetcher
+        self.gathered = all(s.persistent for s in shards)
+        self.held = False
+        self.grads_pending = 0
+        self.num_params = sum(len(s.layout.params) for s in shards)
+        self.numel = sum(s.layout.numel for s in shards if not s.persistent)
+        self.nbytes = sum(s.layout.numel * s.shard.element_size() for s in shards if not s.persistent)
+        self.pending: list[Handle] = []  # a prefetch in flight
+
+    def gather(self) -> None:
+        """Make every parameter of the unit whole (through the fetcher)."""
+        self.fetcher.fetch(self)
+
+    def release(self) -> None:
+        """Free the unit's non-persistent whole parameters (through the fetcher)."""
+        self.fetcher.release(self)
+
+
+class UnitFetcher:
+    """Fetches and releases units (see the module docstring); `prefetch_numel`: the largest unit
+    (elements) gathered ahead of use, 0: none."""
+
+    def __init__(self, prefetch_numel: int):
+        self.units: list[Unit] = []
+        self.prefetch_numel = prefetch_numel
+        self.prefetches = 0  # gathers started ahead of use
+        self.order: list[Unit] = []  # units in the order the first step's forwards ran them
+        self.order_done = False
+        self._position: dict[int, int] = {}
+        self.live_bytes = 0
+        self.peak_bytes = 0
+
+    def add(self, module: torch.nn.Module, shards: list) -> Unit:
+        """A new unit of `module` over `shards`."""
+        unit = Unit(module, shards, self)
+        self.units.append(unit)
+        return unit
+
+    # ---- moving parameters ---------------------------------------------------------------------
+    def prefetch(self, unit: Unit) -> bool:
+        """Start gathering `unit` without waiting; False if it is whole or already on its way."""
+        if unit.gathered or unit.pending:
+            return False
+        unit.pending = [s.start_gather() for s in unit.shards if not s.persistent]
+        self.live_bytes += unit.nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        return True
+
+    def fetch(self, unit: Unit) -> None:
+        """Make `unit` whole (no-op when it is)."""
+        if unit.gathered:
+            return
+        self.prefetch(unit)
+        for handle in unit.pending:
+            handle.wait()
+        unit.pending = []
+        unit.gathered = True
+
+    def release(self, unit: Unit) -> None:
+        """Free `unit`'s non-persistent whole parameters (a prefetch in flight is completed first:
+        its collective must finish on every rank)."""
+        if unit.pending:
+            self.fetch(unit)
+        unit.held = False
+        if not unit.gathered or unit.numel == 0:
+            return
+        for shard in unit.shards:
+            if not shard.persistent:
+                shard.release()
+        unit.gathered = False
+        self.live_bytes -= unit.nbytes
+
+    def release_all(self) -> None:
+        """Release every unit."""
+        for unit in self.units:
+            self.release(unit)
+
+    def reset_peak(self) -> None:
+        """Start measuring peak_bytes anew from what is held now."""
+        self.peak_bytes = self.live_bytes
+
+    # ---- prefetch order --------------------------------------------------------------------------
+    def record(self, unit: Unit) -> None:
+        """Note a unit's forward while the order is still being learnt (first occurrence only)."""
+        if not self.order_done and id(unit) not in self._position:
+            self._position[id(unit)] = len(self.order)
+            self.order.append(unit)
+
+    def finish_order(self) -> None:
+        """The order is known (after the first step): prefetching starts."""
+        self.order_done = True
+
+    def prefetch_next(self, unit: Unit, step: int) -> None:
+        """Prefetch the nearest unit after (step +1: forward) or before (-1: backward) `unit` that
+        has non-persistent parameters, if it is not larger than prefetch_numel."""
+        index = self._position.get(id(unit))
+        if not self.order_done or index is None:
+            return
+        index += step
+        while 0 <= index < len(self.order) and self.order[index].numel == 0:
+            index += step
+        if 0 <= index < len(self.order):
+            candidate = self.order[index]
+            if candidate.numel <= self.prefetch_numel and self.prefetch(candidate):
+                self.prefetches += 1
