@@ -15,7 +15,7 @@ BERT_STAMP := $(BERT_PREFIX)_train_text_sentence.idx
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install data data-bert pretrain-gpt2 pretrain-bert test test-fast lint bench check-cuda check-gpu gpu-wheels clean
+.PHONY: install data data-bert pretrain-gpt2 pretrain-llama pretrain-bert test test-fast lint bench check-cuda check-gpu gpu-wheels clean
 
 install: $(INSTALL_STAMP)
 
@@ -42,6 +42,10 @@ $(DATA_STAMP): scripts/fetch_corpus.py scripts/preprocess_data.py | $(INSTALL_ST
 
 pretrain-gpt2: install data
 	bash scripts/pretrain_gpt2.sh $(ARGS)
+
+# the Llama (configs/llama_cpu.json: GQA, RoPE, SwiGLU, untied; GPT-2 CPU's parameter count) on the same corpus
+pretrain-llama: install data
+	bash scripts/pretrain_llama.sh $(ARGS)
 
 data-bert: $(BERT_STAMP)
 

@@ -1,5 +1,6 @@
 """Model-parallel layouts side by side on the recipe's GPT: DP=2, TP=2 (with and without sequence
-parallelism), PP=2 with M = 4 and M = 8 micro-batches.
+parallelism), PP=2 with M = 4 and M = 8 micro-batches; and the recipe's Llama (llama_cpu.json:
+GQA, RoPE, SwiGLU, untied; GPT's parameter count within 0.2%) at DP=2 and TP=2, next to the GPT.
 
 Two gloo ranks (one thread each); every layout trains the same model (vocabulary 8192 so no
 layout pads it differently) from the same seed on the same global batches (8 x 256 tokens,
@@ -27,6 +28,7 @@ from megazero import parallel_state
 from megazero.data import GPTDataset, IndexedDataset
 from megazero.pipeline import bubble_fraction
 from models.gpt import GPTConfig
+from models.llama import LlamaConfig
 from models.parallelize import parallelize
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,7 +36,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GLOBAL_BATCH = 8
 # name: (TP, PP, sequence parallel, micro-batch size)
 LAYOUTS = {"dp2": (1, 1, False, 4), "tp2": (2, 1, False, 8), "tp2_sp": (2, 1, True, 8),
-           "pp2_m4": (1, 2, False, 2), "pp2_m8": (1, 2, False, 1)}
+           "pp2_m4": (1, 2, False, 2), "pp2_m8": (1, 2, False, 1),
+           "llama_dp2": (1, 1, False, 4), "llama_tp2": (2, 1, False, 8)}
+LLAMA_PEERS = {"llama_dp2": "dp2", "llama_tp2": "tp2"}  # the Llama layouts and the GPT runs they compare with
+
+
+def model_config(name: str, tp: int, sp: bool):
+    """The recipe's GPT, or for the llama_* layouts the recipe's Llama, at this layout."""
+    config_class, path = (LlamaConfig, "llama_cpu.json") if name in LLAMA_PEERS else (GPTConfig, "gpt2_cpu.json")
+    return config_class.from_json(os.path.join(REPO, "configs", path), vocab_size=8192, tensor_model_parallel_size=tp,
+                                  sequence_parallel=sp or None)
 
 
 class LayoutRun:
@@ -45,12 +56,13 @@ class LayoutRun:
         self.pp = pp
         self.micro_batches = GLOBAL_BATCH // micro // (2 // (tp * pp))
         grid = parallel_state.initialize_model_parallel(tp, pp)
-        config = GPTConfig.from_json(os.path.join(REPO, "configs", "gpt2_cpu.json"), vocab_size=8192,
-                                     tensor_model_parallel_size=tp, sequence_parallel=sp or None)
+        config = model_config(name, tp, sp)
         megazero.set_seed(0)
         model = parallelize(config, grid)
-        engine_config = {**recipe_config(), "train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": micro,
-                         "wall_clock_breakdown": True}
+        with open(os.path.join(REPO, "configs", "ds_gpt2_cpu.json")) as f:  # recipe_config() leaves it out
+            optimizer = json.load(f)["optimizer"]
+        engine_config = {**recipe_config(), "optimizer": optimizer, "train_batch_size": GLOBAL_BATCH,
+                         "train_micro_batch_size_per_gpu": micro, "wall_clock_breakdown": True}
         dataset = GPTDataset(IndexedDataset(args.data_path + "_train_text_document"), config.seq_length, seed=1)
         self.engine, _, loader, _ = megazero.initialize(model=model, model_parameters=param_groups(model),
                                                         training_data=dataset, config=engine_config,
@@ -122,7 +134,12 @@ def main() -> None:
             "ratio_to_" + base: statistics.median(b / t for b, t in zip(result["times"][base], result["times"][name])),
             "param_mb_per_rank": [r["param_bytes"][name] / 2 ** 20 for r in ranks],
             "first_loss": statistics.mean(r["losses"][name][0] for r in ranks),  # same model and data: equal
+            "model": "llama" if name in LLAMA_PEERS else "gpt",
         }
+        peer = LLAMA_PEERS.get(name)
+        if peer in args.layouts:  # per-trial ratios: both ran in the same trial, back to back
+            rows[name]["ratio_to_gpt_" + peer] = statistics.median(
+                g / t for g, t in zip(result["times"][peer], result["times"][name]))
         if pp > 1:
             rows[name]["bubble_measured"] = statistics.mean(r["bubble"][name] for r in ranks)
             rows[name]["bubble_1f1b"] = bubble_fraction(pp, result["micro_batches"][name])
@@ -131,13 +148,18 @@ def main() -> None:
     print(f"{'layout':<22}{'tokens/s':>10}{'vs ' + base:>9}{'param MB/rank':>15}{'bubble':>9}{'(p-1)/(m+p-1)':>15}"
           f"{'first loss':>12}")
     for row in rows.values():
-        label = f"TP{row['tp']} PP{row['pp']}" + (" SP" if row["sequence_parallel"] else "") + \
-            f" m={row['micro_batches']}"
+        label = ("Llama " if row["model"] == "llama" else "") + f"TP{row['tp']} PP{row['pp']}" + \
+            (" SP" if row["sequence_parallel"] else "") + f" m={row['micro_batches']}"
         bubble = f"{row['bubble_measured']:.3f}" if "bubble_measured" in row else "-"
         formula = f"{row['bubble_1f1b']:.3f}" if "bubble_1f1b" in row else "-"
         print(f"{label:<22}{row['tokens_per_s']:>10,.0f}{row['ratio_to_' + base]:>9.3f}"
               f"{max(row['param_mb_per_rank']):>15.1f}{bubble:>9}{formula:>15}{row['first_loss']:>12.5f}")
     print("m: micro-batches per step per data-parallel rank; bubble: 1 - (forward + backward time) / schedule time")
+    for name, row in rows.items():
+        peer = LLAMA_PEERS.get(name)
+        if "ratio_to_gpt_" + str(peer) in row:
+            print(f"Llama / GPT tokens/s at {peer.upper()}: {row['ratio_to_gpt_' + peer]:.3f} (median of per-trial "
+                  f"ratios; first losses {row['first_loss']:.4f} vs {rows[peer]['first_loss']:.4f})")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"benchmark": "parallel", "rows": rows}, f, indent=1)

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from megazero import tensor_parallel as tp
 from megazero.tensor_parallel.random import get_rng_tracker
 from models.common import ModelConfig, StageContract, check_tp_group, normal_init, seeded, vocabulary_init
+from models.generation import CausalLMGeneration
 
 
 @dataclass
@@ -157,14 +158,14 @@ class Block(nn.Module):
         return x + self._dropout(self.mlp(self.ln_2(x)))
 
 
-class GPT(StageContract, nn.Module):
+class GPT(StageContract, CausalLMGeneration, nn.Module):
     """GPT-2 language model. forward(input_ids, labels=None) -> mean cross-entropy loss or logits.
 
     tp_group: tensor-parallel process group (None: one rank). layers / pre_process / post_process:
     build one pipeline stage (which of the config's layers; with the embeddings; with the final
     LayerNorm, head and loss). A stage without pre_process takes `hidden_states` instead of ids;
     one without post_process returns its hidden states. The plain model: parallelize(config)
-    adds the config's recomputation and fused kernels.
+    adds the config's recomputation and fused kernels. generate(): models/generation.py.
     """
 
     def __init__(self, config: GPTConfig, tp_group=None, layers: range | None = None, pre_process: bool = True,
@@ -239,51 +240,3 @@ class GPT(StageContract, nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(x, labels) if self.post_process else x
-
-    @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None, top_p: float | None = None, vocab_size: int | None = None,
-                 use_kv_cache: bool = True) -> torch.Tensor:
-        """Continue `input_ids` by max_new_tokens tokens: greedy when temperature == 0, else sampled
-        (top-k and/or nucleus top-p) from the model's vocab_size tokens (the logits hold no padding),
-        or from the first `vocab_size` ids when given (a tokenizer's). With the KV cache each step
-        feeds only the new token; once the text outgrows seq_length, the window slides and the whole
-        window is recomputed, exactly as without the cache."""
-        vocab_size = vocab_size or self.config.vocab_size
-        cache = None
-        for _ in range(max_new_tokens):
-            if use_kv_cache and not self.config.sequence_parallel and input_ids.shape[1] <= self.config.seq_length:
-                if cache is None:
-                    cache = [{} for _ in self.blocks]
-                    logits = self(input_ids, kv_cache=cache)[:, -1]
-                else:
-                    logits = self(input_ids[:, -1:], kv_cache=cache)[:, -1]
-            else:
-                logits = self._window_logits(input_ids)
-            input_ids = torch.cat([input_ids, self._next_token(logits[:, :vocab_size].float(), temperature, top_k,
-                                                               top_p)], dim=1)
-        return input_ids
-
-    def _window_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits after the last seq_length tokens, recomputed from scratch."""
-        context = input_ids[:, -self.config.seq_length:]
-        length = context.shape[1]
-        if self.config.sequence_parallel:  # the sequence must split evenly: pad at the end (causal: unseen)
-            context = F.pad(context, (0, -length % self.config.tensor_model_parallel_size))
-        return self(context)[:, length - 1]
-
-    @staticmethod
-    def _next_token(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:
-        if temperature == 0:
-            return logits.argmax(dim=-1, keepdim=True)
-        logits = logits / temperature
-        if top_k is not None:
-            kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if top_p is not None:
-            sorted_logits, order = torch.sort(logits, descending=True)
-            cumulative = F.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-            drop = cumulative - F.softmax(sorted_logits, dim=-1) >= top_p  # keep the smallest set reaching top_p
-            logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-        return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
-

@@ -22,7 +22,7 @@ tp_group as constructor arguments, know nothing of the grid, and GPT(config) / B
 recompute nothing and run torch's kernels. Recomputation and fused kernels change how a module
 runs, never its parameters: their names, the state dict and the model contract stay those of the
 plain model; the engine and checkpoints ask them only through the model contract
-(megazero.model_contract, models/README.md). A new model gets one line in MODELS and a layer
+(megazero.model_contract, models/README.md). A new model gets one line in MODELS and a stage
 weight function in _STAGE_WEIGHTS.
 """
 
@@ -39,17 +39,28 @@ from megazero.pipeline.partition import balanced_stage_layers
 from models.bert import Bert, BertConfig
 from models.common import ModelConfig
 from models.gpt import GPT, MLP, GPTConfig
+from models.llama import Llama, LlamaConfig
 
-MODELS: dict[type, type[torch.nn.Module]] = {GPTConfig: GPT, BertConfig: Bert}
+MODELS: dict[type, type[torch.nn.Module]] = {GPTConfig: GPT, BertConfig: Bert, LlamaConfig: Llama}
 
 
 def model_class(config: ModelConfig) -> type[torch.nn.Module]:
-    """The model class a config builds (GPT for a GPTConfig, Bert for a BertConfig)."""
+    """The model class a config builds (GPT for a GPTConfig, Bert for a BertConfig, Llama for a
+    LlamaConfig)."""
     for config_class, cls in MODELS.items():
         if isinstance(config, config_class):
             return cls
     raise TypeError(f"no model for a {type(config).__name__}: models/parallelize.py MODELS knows "
                     f"{', '.join(c.__name__ for c in MODELS)}")
+
+
+def config_class_for(saved: dict) -> type[ModelConfig]:
+    """The config class of a saved model config dict (a checkpoint's `model_config`): the first in
+    MODELS whose fields hold all its keys (GPT's, BERT's and Llama's each have keys the others lack)."""
+    for config_class in MODELS:
+        if set(saved) <= set(config_class.__dataclass_fields__):
+            return config_class
+    raise ValueError(f"no model config in models/parallelize.py MODELS has all of the keys {sorted(saved)}")
 
 
 def _block_weight(config: ModelConfig) -> int:
@@ -58,21 +69,30 @@ def _block_weight(config: ModelConfig) -> int:
     return 4 * h * h + 4 * h + 2 * h * ffn + ffn + h + 4 * h
 
 
-def _gpt_weights(config: GPTConfig) -> tuple[int, int]:
-    """(first stage's extra, last stage's extra): embeddings; final LayerNorm and the tied output
-    layer's copy."""
+def _gpt_weights(config: GPTConfig) -> tuple[int, int, int]:
+    """(one layer, first stage's extra, last stage's extra): embeddings; final LayerNorm and the
+    tied output layer's copy."""
     h, embedding = config.hidden_size, config.padded_vocab_size * config.hidden_size
-    return embedding + config.seq_length * h, embedding + 2 * h
+    return _block_weight(config), embedding + config.seq_length * h, embedding + 2 * h
 
 
-def _bert_weights(config: BertConfig) -> tuple[int, int]:
-    """(first stage's extra, last stage's extra): embeddings; the MLM and sentence heads."""
+def _bert_weights(config: BertConfig) -> tuple[int, int, int]:
+    """(one layer, first stage's extra, last stage's extra): embeddings; the MLM and sentence heads."""
     h, embedding = config.hidden_size, config.padded_vocab_size * config.hidden_size
     heads = embedding + 2 * h * h + 2 * h + config.padded_vocab_size
-    return embedding + (config.seq_length + config.num_token_types) * h, heads
+    return _block_weight(config), embedding + (config.seq_length + config.num_token_types) * h, heads
 
 
-_STAGE_WEIGHTS = {GPTConfig: _gpt_weights, BertConfig: _bert_weights}
+def _llama_weights(config: LlamaConfig) -> tuple[int, int, int]:
+    """(one layer, first stage's extra, last stage's extra): a layer's q, [k; v], output
+    projection, SwiGLU and two RMSNorms; the word embedding; final RMSNorm and the output layer
+    (its own, or the tied embedding's copy: the same size)."""
+    h, embedding = config.hidden_size, config.padded_vocab_size * config.hidden_size
+    kv = 2 * config.num_query_groups * (h // config.num_attention_heads)
+    return 2 * h * h + kv * h + 3 * h * config.ffn_hidden_size + 2 * h, embedding, embedding + h
+
+
+_STAGE_WEIGHTS = {GPTConfig: _gpt_weights, BertConfig: _bert_weights, LlamaConfig: _llama_weights}
 
 
 def stage_layers(config: ModelConfig, num_stages: int) -> list[range]:
@@ -81,8 +101,8 @@ def stage_layers(config: ModelConfig, num_stages: int) -> list[range]:
     weights = next((fn for cls, fn in _STAGE_WEIGHTS.items() if isinstance(config, cls)), None)
     if weights is None:
         raise TypeError(f"no pipeline stage weights for a {type(config).__name__} in models/parallelize.py")
-    first_extra, last_extra = weights(config)
-    return balanced_stage_layers([_block_weight(config)] * config.num_layers, num_stages, first_extra, last_extra)
+    block, first_extra, last_extra = weights(config)
+    return balanced_stage_layers([block] * config.num_layers, num_stages, first_extra, last_extra)
 
 
 def build_stage(config: ModelConfig, stage: int = 0, num_stages: int = 1, tp_group=None) -> torch.nn.Module:
@@ -175,7 +195,7 @@ def _check_grid(config: ModelConfig, grid: ParallelGrid) -> None:
 
 def parallelize(config: ModelConfig, grid: ParallelGrid | None = None) -> torch.nn.Module:
     """This rank's module: its tensor-parallel shard of its pipeline stage of the model `config`
-    describes (GPTConfig: GPT, BertConfig: Bert), with the config's recomputation and fused
+    describes (GPTConfig: GPT, BertConfig: Bert, LlamaConfig: Llama), with the config's recomputation and fused
     kernels; without a grid, the whole model in one process. Every rank draws the same random
     numbers here (one seed per layer), so each shard and stage starts as the slice of the
     single-process model built after the same seed."""

@@ -1,4 +1,4 @@
-"""Convert a GPT checkpoint to another tensor/pipeline-parallel layout (optimizer state included).
+"""Convert a GPT, BERT or Llama checkpoint to another tensor/pipeline-parallel layout (optimizer state included).
 
     python scripts/convert_checkpoint.py --load CKPT_DIR --save OUT_DIR \
         --target-tensor-parallel-size T --target-pipeline-parallel-size P [--tag TAG]
@@ -22,11 +22,11 @@ from megazero.checkpoint.engine_state import resolve_tag
 from megazero.checkpoint.io import CheckpointError
 from megazero.checkpoint.universal import read_parameter_states
 from megazero.tensor_parallel.utils import partition_of
-from models.gpt import GPTConfig
-from models.parallelize import build_stage
+from models.common import ModelConfig
+from models.parallelize import build_stage, config_class_for
 
 
-def stage_parameters(config: GPTConfig, pp: int) -> list[list[StageParameter]]:
+def stage_parameters(config: ModelConfig, pp: int) -> list[list[StageParameter]]:
     """Each target stage's parameters, in module order, from the stage built on the meta device."""
     whole = config.whole()  # whole tensors with the target's vocabulary padding: the shards are cut afterwards
     stages = []
@@ -55,8 +55,8 @@ def main(argv=None) -> str:
         raise CheckpointError(f"{args.load}/{tag}: no model_config in the checkpoint (saved by a model without "
                               f"a `config`); cannot place its layers on pipeline stages")
     tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
-    config = GPTConfig(**{**saved_config, "tensor_model_parallel_size": tp,
-                          "sequence_parallel": saved_config.get("sequence_parallel", False)})
+    config = config_class_for(saved_config)(**{**saved_config, "tensor_model_parallel_size": tp,
+                                               "sequence_parallel": saved_config.get("sequence_parallel", False)})
     out = write_converted(states, args.save, tag, stage_parameters(config, pp), tp, config.to_dict())
     print(f"wrote {out}: tensor parallel {tp} x pipeline parallel {pp}, {len(states.weights)} parameters")
     return out

@@ -1,4 +1,4 @@
-"""Validation loss and perplexity of a GPT checkpoint (any layout) on an indexed dataset or a raw
+"""Validation loss and perplexity of a GPT or Llama checkpoint (any layout) on an indexed dataset or a raw
 text file, with a sliding window for texts longer than the model's context.
 
     python scripts/evaluate.py --load CKPT --data-path data/gpt2/shakespeare_valid_text_document
@@ -19,9 +19,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from megazero.checkpoint.model_files import load_model
+from megazero.checkpoint.model_files import load_model, saved_model_config_dict
 from megazero.data import IndexedDataset, SentencePieceTokenizer
-from models.gpt import GPT, GPTConfig
+from models.parallelize import MODELS, config_class_for
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -62,7 +62,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--stride", type=int, default=None, help="default: the model's seq_length")
     parser.add_argument("--max-tokens", type=int, default=None, help="evaluate only the first N tokens")
     args = parser.parse_args(argv)
-    model = load_model(args.load, args.tag, model_class=GPT, config_class=GPTConfig)
+    config_class = config_class_for(saved_model_config_dict(args.load, args.tag) or {})  # GPT or Llama
+    model = load_model(args.load, args.tag, model_class=MODELS[config_class], config_class=config_class)
     if args.data_path:
         tokens = torch.from_numpy(np.asarray(IndexedDataset(args.data_path).tokens, dtype=np.int64))
     else:

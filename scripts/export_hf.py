@@ -1,12 +1,14 @@
-"""Export a GPT or BERT checkpoint (any TP/PP/DP layout, any ZeRO stage) as a Hugging Face
-transformers model: GPT2LMHeadModel or BertForPreTraining, with config.json, model.safetensors
-(fp32 masters) and the sentencepiece tokenizer.
+"""Export a GPT, BERT or Llama checkpoint (any TP/PP/DP layout, any ZeRO stage) as a Hugging Face
+transformers model: GPT2LMHeadModel, BertForPreTraining or LlamaForCausalLM, with config.json,
+model.safetensors (fp32 masters) and the sentencepiece tokenizer (for the Llama also a
+tokenizer_config.json, so that AutoTokenizer loads it as a LlamaTokenizer giving megazero's ids:
+no BOS/EOS added, no prefix space).
 
     python scripts/export_hf.py --load CKPT --out DIR [--tokenizer-model TOK.model]
 
 Then `from_pretrained(DIR)` gives the same logits. The vocabulary is the model's true one (the
 padding rows megazero adds for tensor parallelism are left out); GPT's bos/eos are the tokenizer's
-end-of-document token, BERT's pad is [PAD].
+end-of-document token, BERT's pad is [PAD], the Llama's bos/eos are the tokenizer's <s> and </s>.
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ import shutil
 from megazero.checkpoint.consolidate import consolidate_fp32_state_dict
 from megazero.checkpoint.model_files import saved_model_config, saved_model_config_dict
 from megazero.data import SentencePieceTokenizer
-from models import hf_bert
+from models import hf_bert, hf_llama
 from models.bert import BertConfig
 from models.gpt import GPTConfig
 from models.hf_gpt2 import hf_config_dict, to_hf_state_dict
+from models.llama import LlamaConfig
+from models.parallelize import config_class_for
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,10 +42,15 @@ def main(argv=None) -> str:
 
     tokenizer = SentencePieceTokenizer(args.tokenizer_model)
     weights = consolidate_fp32_state_dict(args.load, args.tag)
-    if "binary_head" in (saved_model_config_dict(args.load, args.tag) or {}):  # a BertConfig's field
+    family = config_class_for(saved_model_config_dict(args.load, args.tag) or {})
+    if family is BertConfig:
         config = saved_model_config(args.load, args.tag, config_class=BertConfig)
         state = hf_bert.to_hf_state_dict(weights, config)
         hf_config = hf_bert.hf_config_dict(config, tokenizer.token_id("[PAD]"))
+    elif family is LlamaConfig:
+        config = saved_model_config(args.load, args.tag, config_class=LlamaConfig)
+        state = hf_llama.to_hf_state_dict(weights, config)
+        hf_config = hf_llama.hf_config_dict(config, tokenizer.sp.bos_id(), tokenizer.eod)
     else:
         config = saved_model_config(args.load, args.tag, config_class=GPTConfig)
         state = to_hf_state_dict(weights, config)
@@ -51,6 +60,9 @@ def main(argv=None) -> str:
     with open(os.path.join(args.out, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=1)
     shutil.copy(args.tokenizer_model, os.path.join(args.out, "tokenizer.model"))
+    if family is LlamaConfig:
+        with open(os.path.join(args.out, "tokenizer_config.json"), "w") as f:
+            json.dump(hf_llama.tokenizer_config(tokenizer), f, indent=1)
     print(f"wrote {args.out}: {hf_config['architectures'][0]}, {sum(t.numel() for t in state.values()):,} tensors' "
           f"elements")
     return args.out

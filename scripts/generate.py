@@ -1,4 +1,4 @@
-"""Generate text from a GPT checkpoint of any layout (joined into one process), greedy or sampled,
+"""Generate text from a GPT or Llama checkpoint of any layout (joined into one process), greedy or sampled,
 with a KV cache.
 
     python scripts/generate.py --load CKPT --prompt "ROMEO:" --max-new-tokens 100 \
@@ -15,9 +15,9 @@ import os
 
 import torch
 
-from megazero.checkpoint.model_files import load_model
+from megazero.checkpoint.model_files import load_model, saved_model_config_dict
 from megazero.data import SentencePieceTokenizer
-from models.gpt import GPT, GPTConfig
+from models.parallelize import MODELS, config_class_for
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -36,7 +36,8 @@ def main(argv=None) -> str:
     parser.add_argument("--no-kv-cache", action="store_true", help="recompute the whole context at every step")
     args = parser.parse_args(argv)
     tokenizer = SentencePieceTokenizer(args.tokenizer_model)
-    model = load_model(args.load, args.tag, model_class=GPT, config_class=GPTConfig)
+    config_class = config_class_for(saved_model_config_dict(args.load, args.tag) or {})  # GPT or Llama
+    model = load_model(args.load, args.tag, model_class=MODELS[config_class], config_class=config_class)
     if tokenizer.vocab_size != model.config.vocab_size:
         raise ValueError(f"--tokenizer-model {args.tokenizer_model} has {tokenizer.vocab_size} pieces but the model in "
                          f"{args.load} was trained with vocab_size {model.config.vocab_size}")

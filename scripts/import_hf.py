@@ -1,5 +1,6 @@
-"""Import a Hugging Face GPT-2 (a directory with config.json and model.safetensors or
-pytorch_model.bin) as a megazero checkpoint, to continue training it at any layout.
+"""Import a Hugging Face GPT-2 or Llama (a directory with config.json and model.safetensors or
+pytorch_model.bin: GPT2LMHeadModel or LlamaForCausalLM) as a megazero checkpoint, to continue
+training it at any layout.
 
     python scripts/import_hf.py --hf-dir DIR --save CKPT_DIR [--tag global_step0]
 
@@ -16,8 +17,11 @@ import os
 import torch
 
 from megazero.checkpoint.model_files import write_weights_checkpoint
+from models import hf_gpt2, hf_llama
 from models.gpt import GPT
-from models.hf_gpt2 import from_hf
+from models.llama import Llama
+
+FAMILIES = {"gpt2": (hf_gpt2.from_hf, GPT), "llama": (hf_llama.from_hf, Llama)}  # by config.json's model_type
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -43,8 +47,13 @@ def main(argv=None) -> str:
     args = parser.parse_args(argv)
     with open(os.path.join(args.hf_dir, "config.json")) as f:
         hf_config = json.load(f)
+    model_type = hf_config.get("model_type")
+    if model_type not in FAMILIES:
+        raise ValueError(f"{args.hf_dir}/config.json: model_type {model_type!r}; megazero imports "
+                         f"{', '.join(FAMILIES)}")
+    from_hf, model_class = FAMILIES[model_type]
     config, state = from_hf(hf_config, read_hf_state(args.hf_dir))
-    out = write_weights_checkpoint(config, state, args.save, args.tag, model_class=GPT)
+    out = write_weights_checkpoint(config, state, args.save, args.tag, model_class=model_class)
     print(f"wrote {out}: {config.num_layers} layers, hidden {config.hidden_size}, "
           f"vocabulary {config.padded_vocab_size}")
     return out

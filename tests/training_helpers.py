@@ -13,6 +13,7 @@ from megazero.tensor_parallel import merge_shards
 from megazero.tensor_parallel.utils import partition_of
 from megazero.zero import GatheredParameters
 from models.gpt import GPTConfig
+from models.llama import LlamaConfig
 from models.parallelize import parallelize
 
 # dropout on: exactness claims (resume, data-parallel layouts, recomputation) must hold for the
@@ -20,6 +21,12 @@ from models.parallelize import parallelize
 TINY = dict(vocab_size=256, seq_length=32, num_layers=2, hidden_size=64, num_attention_heads=4,
             make_vocab_size_divisible_by=64, dropout=0.1)
 NO_DROPOUT = {"dropout": 0.0}  # for claims that dropout masks cannot satisfy, each saying why
+# the tiny Llama: 4 query heads in 2 key/value groups (split over 2 TP ranks; num_query_groups 1
+# replicates them), dropout on as TINY's
+TINY_LLAMA = dict(vocab_size=256, seq_length=32, num_layers=2, hidden_size=64, num_attention_heads=4,
+                  num_query_groups=2, ffn_hidden_size=128, make_vocab_size_divisible_by=64, dropout=0.1)
+FAMILY = "family"  # a model_overrides key: the model family build_engine builds ("gpt" by default)
+FAMILIES = {"gpt": (GPTConfig, TINY), "llama": (LlamaConfig, TINY_LLAMA)}
 
 
 def base_config(**overrides) -> dict:
@@ -39,15 +46,17 @@ def base_config(**overrides) -> dict:
 
 def build_engine(config: dict, prefix: str, seed: int = 0, model_overrides: dict | None = None,
                  layout: tuple[int, int] | None = None):
-    """Seeded tiny GPT + engine over the indexed dataset at `prefix`; layout = (TP, PP) builds the
-    model-parallel grid first (DP is what remains of the world)."""
+    """Seeded tiny GPT (or the model_overrides' FAMILY: TINY_LLAMA) + engine over the indexed
+    dataset at `prefix`; layout = (TP, PP) builds the model-parallel grid first (DP is what
+    remains of the world)."""
     megazero.set_seed(seed)
     overrides = dict(model_overrides or {})
+    config_class, tiny = FAMILIES[overrides.pop(FAMILY, "gpt")]
     grid = None
     if layout is not None:
         grid = parallel_state.initialize_model_parallel(*layout)
         overrides["tensor_model_parallel_size"] = layout[0]
-    model = parallelize(GPTConfig(**{**TINY, **overrides}), grid)
+    model = parallelize(config_class(**{**tiny, **overrides}), grid)
     dataset = GPTDataset(IndexedDataset(prefix), TINY["seq_length"], seed=seed)
     engine, _, loader, _ = megazero.initialize(model=model, training_data=dataset, config=config,
                                                mpu=parallel_state if grid is not None else None)

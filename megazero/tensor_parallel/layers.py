@@ -177,3 +177,50 @@ class LayerNorm(nn.LayerNorm):
             return super().forward(x)
         return F.layer_norm(x, self.normalized_shape, sync_replicated_grad(self.weight, self.tp_group),
                             sync_replicated_grad(self.bias, self.tp_group), self.eps)
+
+
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm (x / rms(x) * weight, no bias or centring) whose weight gradient is summed over
+    the TP group when the activations are split along the sequence, as LayerNorm's."""
+
+    def __init__(self, normalized_shape: int, eps: float = 1e-5, tp_group=None, sequence_parallel: bool = False):
+        super().__init__(normalized_shape, eps=eps)
+        self.tp_group = tp_group
+        self.sequence_parallel = sequence_parallel and _rank_and_world(tp_group)[1] > 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = sync_replicated_grad(self.weight, self.tp_group) if self.sequence_parallel else self.weight
+        return F.rms_norm(x, self.normalized_shape, weight, self.eps)
+
+
+class ReplicatedLinear(nn.Module):
+    """y = x A^T (+ b) with A whole on every TP rank, inside a tensor-parallel region: each rank
+    uses a different part of y (e.g. the key/value heads its query heads read, when the heads do
+    not split over the ranks), so the gradients of A and of x are summed over the group.
+
+    Its input is that of a column-parallel layer: replicated (or split along the sequence under
+    sequence parallelism, then all-gathered here). A is initialised from the default generator
+    like every layer, so it equals the TP=1 weight; it is not marked tensor-parallel (checkpoints
+    keep one copy).
+    """
+
+    def __init__(self, in_features: int, out_features: int, tp_group=None, bias: bool = True,
+                 init_method: InitMethod = nn.init.xavier_normal_, sequence_parallel: bool = False):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        with torch.no_grad():
+            init_method(self.weight)
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.tp_group)
+        else:
+            x = copy_to_tensor_parallel_region(x, self.tp_group)
+        bias = sync_replicated_grad(self.bias, self.tp_group) if self.bias is not None else None
+        return F.linear(x, sync_replicated_grad(self.weight, self.tp_group), bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features} (whole on every rank)"

@@ -12,17 +12,20 @@ import sys
 from tests.conftest import REPO
 
 # every file in scripts/ that `sbatch` or `bash` runs; test_every_launcher_is_tested keeps it complete
-LAUNCHERS = ("pretrain_gpt2.sbatch", "pretrain_gpt2.sh", "pretrain_bert.sh")
+LAUNCHERS = ("pretrain_gpt2.sbatch", "pretrain_gpt2.sh", "pretrain_llama.sh", "pretrain_bert.sh")
 # the .sbatch names its log in its header (logs/ is committed); sbatch's default is slurm-<id>.out
 # in the directory sbatch was called from
 DEFAULT_LOG = {"pretrain_gpt2.sbatch": "logs/megazero-gpt2-{job}.out",
-               "pretrain_gpt2.sh": "slurm-{job}.out", "pretrain_bert.sh": "slurm-{job}.out"}
+               "pretrain_gpt2.sh": "slurm-{job}.out", "pretrain_llama.sh": "slurm-{job}.out",
+               "pretrain_bert.sh": "slurm-{job}.out"}
 # recipe flags from the README's flag list: a 2-layer model, logging every 5 iterations, no
 # evaluation or checkpoint before the end
 TINY = ("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
         "--log-interval", "5", "--eval-interval", "1000", "--eval-iters", "2", "--save-interval", "1000")
 TINY_FLAGS = {"pretrain_gpt2.sbatch": (*TINY, "--global-batch-size", "8", "--micro-batch-size", "4", "--lr", "0.005"),
               "pretrain_gpt2.sh": (*TINY, "--global-batch-size", "8", "--micro-batch-size", "4", "--lr", "0.005"),
+              "pretrain_llama.sh": (*TINY, "--num-query-groups", "2", "--ffn-hidden-size", "128",
+                                    "--global-batch-size", "8", "--micro-batch-size", "4", "--lr", "0.005"),
               "pretrain_bert.sh": (*TINY, "--global-batch-size", "16", "--micro-batch-size", "8", "--lr", "0.001")}
 # the launchers' own knobs: a test sets only those it means to, as the README documents them
 LAUNCHER_ENV = ("MEGAZERO_DIR", "PYTHON", "LAUNCHER", "NPROC", "NPROC_PER_NODE", "DATA_PATH", "SAVE_DIR",

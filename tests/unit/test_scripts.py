@@ -19,3 +19,17 @@ def test_estimate_memory_for_gpt2_xl_on_64_ranks():
     assert len(rows) == 4 and totals == sorted(totals, reverse=True)
     psi = float(out.split(" M parameters")[0].replace(",", "")) * 1e6
     assert abs(float(rows[3][4]) - 18 * psi / 64 / 2**30) < 0.01  # stage 3, bf16: 18 bytes / parameter / N
+
+
+def test_estimate_memory_reads_the_llama_configs():
+    """Each Llama config counts as its model: Llama 2 7B / 13B's and Llama 3.2 1B's published sizes."""
+    import contextlib
+    import io
+
+    from scripts.estimate_memory import main
+
+    for name, millions in (("llama_1b", "1,235.8"), ("llama_7b", "6,738.4"), ("llama_13b", "13,015.9")):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            main(["--model-config", os.path.join(REPO, "configs", f"{name}.json")])
+        assert out.getvalue().startswith(f"{millions} M parameters"), (name, out.getvalue())

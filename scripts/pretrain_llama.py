@@ -1,0 +1,83 @@
+"""Pretrain a Llama (models/llama.py) with the megazero engine: pretrain_gpt.py's flags and loop,
+plus Megatron's Llama flags --num-query-groups, --rope-theta, --ffn-hidden-size and
+--untie-embeddings-and-output-weights.
+
+Untied embeddings are this recipe's default (configs/llama_cpu.json), so
+--untie-embeddings-and-output-weights is accepted for Megatron command lines and changes nothing
+there; --tie-embeddings-and-output-weights makes the output layer the word embedding (Megatron's
+own default). See scripts/pretrain_llama.sh for `make pretrain-llama`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from megazero import training
+from megazero.data import GPTDataset, IndexedDataset
+from megazero.data.vocab_check import check_token_ids
+from megazero.profiling import gpt_flops_per_token
+from models.common import count_parameters
+from models.llama import Llama, LlamaConfig
+from models.parallelize import parallelize
+
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+
+def parse_args(argv=None):
+    """The shared recipe flags (defaults: the CPU Llama config), the Llama flags and the sample's."""
+    p = training.recipe_parser(__doc__, model_config=os.path.join(CONFIGS, "llama_cpu.json"),
+                               engine_config_path=os.path.join(CONFIGS, "ds_gpt2_cpu.json"))
+    p.add_argument("--num-query-groups", type=int, help="key/value heads (1: multi-query attention)")
+    p.add_argument("--rope-theta", type=float, help="base of the rotary embedding's frequencies")
+    p.add_argument("--ffn-hidden-size", type=int, help="SwiGLU width")
+    tie = p.add_mutually_exclusive_group()
+    tie.add_argument("--untie-embeddings-and-output-weights", dest="untie", action="store_const", const=True,
+                     help="an output layer of its own (this recipe's default)")
+    tie.add_argument("--tie-embeddings-and-output-weights", dest="untie", action="store_const", const=False,
+                     help="the output layer is the word embedding")
+    training.add_sampling_arguments(p)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    rank, grid, tokenizer = training.start_run(args)
+
+    # the model: --model-config with the size, Llama, recompute and parallelism flags; this rank's part
+    overrides = {**training.model_overrides(args), "num_query_groups": args.num_query_groups,
+                 "rope_theta": args.rope_theta, "ffn_hidden_size": args.ffn_hidden_size,
+                 "untie_embeddings_and_output_weights": args.untie}
+    config = LlamaConfig.from_json(args.model_config, vocab_size=tokenizer.vocab_size, **overrides)
+    model = parallelize(config, grid)
+    args.seq_length = config.seq_length
+    num_params = count_parameters(Llama, config.single_process())  # the same at every layout
+    flops = gpt_flops_per_token(num_params, config.num_layers, config.hidden_size, args.seq_length)
+
+    # the data: P_train/P_valid_text_document, and the unigram entropy validation is compared with
+    train_data = GPTDataset(IndexedDataset(args.data_path + "_train_text_document"), args.seq_length, seed=args.seed)
+    valid_data = GPTDataset(IndexedDataset(args.data_path + "_valid_text_document"), args.seq_length, shuffle=False)
+    for data in (train_data, valid_data):  # ids beyond the tokenizer's vocabulary: stop before any step
+        check_token_ids(data.indexed, tokenizer.vocab_size, args.tokenizer_model)
+    stats_path = args.data_path + "_stats.json"
+    unigram = json.load(open(stats_path)).get("unigram_entropy_nats") if os.path.exists(stats_path) else None
+
+    def validate(engine) -> float:
+        return training.run_evaluation(engine, valid_data, args, rank, unigram)
+
+    def finish(engine, val_loss: float | None, reason: str | None) -> dict:
+        """A last validation when none ran, then a sample (neither after a preemption signal)."""
+        if reason != "signal":
+            if val_loss is None:
+                val_loss = validate(engine)
+            training.print_sample(model, tokenizer, args, grid, rank)
+        return {"iteration": engine.global_steps, "val_loss": val_loss, "unigram_entropy": unigram}
+
+    groups = f"{config.num_query_groups} key/value groups for {config.num_attention_heads} heads"
+    return training.train(args, model, train_data, grid=grid, name="Llama", num_params=num_params,
+                          flops_per_token=flops, validate=validate, finish=finish,
+                          details=lambda peak: f"{groups}, peak {peak / 1e9:.1f} GFLOP/s per rank")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Llama recipe on one machine or in a Slurm allocation:
+#   bash scripts/pretrain_llama.sh [flags]     torchrun --standalone, one process per GPU or CPU core
+#   sbatch scripts/pretrain_llama.sh [flags]   one rank per Slurm task (srun); e.g. sbatch --ntasks=2
+# Run both from the repository root; sbatch writes the log to slurm-<job id>.out there.
+# Extra flags go to scripts/pretrain_llama.py (e.g. --num-query-groups 1 --train-iters 1000).
+# Environment: NPROC (processes without Slurm), DATA_PATH, SAVE_DIR, TB_DIR, CONFIG (engine JSON),
+# MODEL_CONFIG, PYTHON, OMP_NUM_THREADS, MAX_RESTARTS (torchrun's --max-restarts: restart every rank
+# when one dies, resuming from SAVE_DIR/latest); under Slurm also LAUNCHER, NPROC_PER_NODE
+# (see scripts/launch_lib.bash).
+set -euo pipefail
+# Under sbatch, $0 is slurmd's spooled copy of this file: the submit directory stands in for its location.
+ROOT=${MEGAZERO_DIR:-$(dirname "$0")/..}
+[ -n "${MEGAZERO_DIR:-}" ] || [ -f "$ROOT/scripts/launch_lib.bash" ] || ROOT=${SLURM_SUBMIT_DIR:-$ROOT}
+if [ ! -f "$ROOT/scripts/launch_lib.bash" ]; then
+  echo "error: $ROOT is not the megazero repository (no scripts/launch_lib.bash); run sbatch from the" \
+    "repository root (sbatch scripts/pretrain_llama.sh) or set MEGAZERO_DIR" >&2
+  exit 2
+fi
+cd "$ROOT"
+source scripts/launch_lib.bash
+
+SAVE_DIR=${SAVE_DIR:-checkpoints/llama_cpu}
+megazero_launch scripts/pretrain_llama.py \
+  --model-config "${MODEL_CONFIG:-configs/llama_cpu.json}" --deepspeed_config "${CONFIG:-configs/ds_gpt2_cpu.json}" \
+  --data-path "${DATA_PATH:-data/gpt2/shakespeare}" --save "$SAVE_DIR" --load "$SAVE_DIR" \
+  --tensorboard-dir "${TB_DIR:-runs/llama_cpu}" \
+  --train-iters 500 --train-minutes 10 --eval-interval 100 --save-interval 100 --log-interval 10 "$@"
