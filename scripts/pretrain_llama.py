@@ -10,12 +10,10 @@ own default). See scripts/pretrain_llama.sh for `make pretrain-llama`.
 
 from __future__ import annotations
 
-import json
 import os
 
 from megazero import training
-from megazero.data import GPTDataset, IndexedDataset
-from megazero.data.vocab_check import check_token_ids
+from megazero.causal_lm_recipe import causal_lm_run
 from megazero.profiling import gpt_flops_per_token
 from models.common import count_parameters
 from models.llama import Llama, LlamaConfig
@@ -54,28 +52,12 @@ def main(argv=None) -> dict:
     num_params = count_parameters(Llama, config.single_process())  # the same at every layout
     flops = gpt_flops_per_token(num_params, config.num_layers, config.hidden_size, args.seq_length)
 
-    # the data: P_train/P_valid_text_document, and the unigram entropy validation is compared with
-    train_data = GPTDataset(IndexedDataset(args.data_path + "_train_text_document"), args.seq_length, seed=args.seed)
-    valid_data = GPTDataset(IndexedDataset(args.data_path + "_valid_text_document"), args.seq_length, shuffle=False)
-    for data in (train_data, valid_data):  # ids beyond the tokenizer's vocabulary: stop before any step
-        check_token_ids(data.indexed, tokenizer.vocab_size, args.tokenizer_model)
-    stats_path = args.data_path + "_stats.json"
-    unigram = json.load(open(stats_path)).get("unigram_entropy_nats") if os.path.exists(stats_path) else None
-
-    def validate(engine) -> float:
-        return training.run_evaluation(engine, valid_data, args, rank, unigram)
-
-    def finish(engine, val_loss: float | None, reason: str | None) -> dict:
-        """A last validation when none ran, then a sample (neither after a preemption signal)."""
-        if reason != "signal":
-            if val_loss is None:
-                val_loss = validate(engine)
-            training.print_sample(model, tokenizer, args, grid, rank)
-        return {"iteration": engine.global_steps, "val_loss": val_loss, "unigram_entropy": unigram}
+    # the data (--data-path: one prefix, or weights and prefixes to blend), validation and the end of the run
+    run = causal_lm_run(args, model, tokenizer, grid, rank)
 
     groups = f"{config.num_query_groups} key/value groups for {config.num_attention_heads} heads"
-    return training.train(args, model, train_data, grid=grid, name="Llama", num_params=num_params,
-                          flops_per_token=flops, validate=validate, finish=finish,
+    return training.train(args, model, run.data.train, grid=grid, name="Llama", num_params=num_params,
+                          flops_per_token=flops, validate=run.validate, finish=run.finish,
                           details=lambda peak: f"{groups}, peak {peak / 1e9:.1f} GFLOP/s per rank")
 
 
