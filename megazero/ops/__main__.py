@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from megazero.ops import builder
+from megazero.ops.aio import active_backend
 
 
 def build_all() -> int:
@@ -30,12 +31,13 @@ def build_all() -> int:
 
 
 def print_report() -> None:
-    """One line per op: compatible, built, loaded, falling back, and why."""
+    """One line per op: compatible, built, loaded, falling back, and why; then the aio engine in use."""
     print(f"{'op':<16}{'compatible':>11}{'built':>7}{'loaded':>8}{'fallback':>10}  why")
     for name in builder.SPECS:
         s = builder.status(name)
         print(f"{name:<16}{str(s['compatible']):>11}{str(s['built']):>7}{str(s['loaded']):>8}"
               f"{str(s['fallback']):>10}  {s['why']}")
+    print(f"aio engine: {active_backend()}")
 
 
 def main(argv=None) -> int:
