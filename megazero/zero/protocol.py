@@ -79,14 +79,23 @@ def saved_format(saved: dict, per_rank: bool) -> str:
 def export_parameter_states(saved: list[dict], module: dict[str, torch.Tensor],
                             per_rank: bool) -> ExportedParameterStates:
     """Whole per-parameter states from the state files of one (tensor rank, pipeline stage), by the
-    exporter of their format (see Exporter for the arguments). KeyError names an unknown format."""
+    exporter of their format (see Exporter for the arguments). ValueError names an unknown format."""
     import megazero.zero  # noqa: F401  (the built-in states register their formats on import)
 
     name = saved_format(saved[0], per_rank)
     if name not in _EXPORTERS:
-        raise KeyError(f"state files of checkpoint format {name!r}, which no data-parallel state registered "
+        raise ValueError(f"state files of checkpoint format {name!r}, which no data-parallel state registered "
                        f"(known: {sorted(_EXPORTERS)})")
     return _EXPORTERS[name](saved, module)
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer, per_index: dict[int, dict], param_groups: list[dict]) -> dict:
+    """An optimizer state dict for load_parameter_states(): `per_index` as its states (optimizer
+    index -> {key: value}), `param_groups`' hyperparameters over the optimizer's own param indices."""
+    current = optimizer.state_dict()
+    return {"state": per_index,
+            "param_groups": [{**saved, "params": now["params"]} for saved, now in
+                             zip(param_groups, current["param_groups"])]}
 
 
 @runtime_checkable
@@ -192,4 +201,5 @@ class DataParallelState(Protocol):
 
 
 __all__ = ["DataParallelState", "ExportedParameterStates", "Exporter", "FLAT_PARTITIONS_FORMAT",
-           "REPLICATED_FORMAT", "export_parameter_states", "register_checkpoint_format", "saved_format"]
+           "REPLICATED_FORMAT", "export_parameter_states", "optimizer_state", "register_checkpoint_format",
+           "saved_format"]
