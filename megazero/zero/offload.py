@@ -164,12 +164,13 @@ class OffloadedState:
         return buffer
 
     def _unbind(self, sg: _SubGroup) -> None:
-        for name in self.kinds:
-            for master in sg.masters:
-                if name == "master":
-                    master.data = _EMPTY
-                elif master in self.optimizer.state:
-                    self.optimizer.state[master][name] = _EMPTY
+        # a new dict per master: a state_dict() taken while resident shares the old ones
+        states = [k for k in self.kinds if k != "master"]
+        for master in sg.masters:
+            if "master" in self.kinds:
+                master.data = _EMPTY
+            if states and master in self.optimizer.state:
+                self.optimizer.state[master] = {**self.optimizer.state[master], **dict.fromkeys(states, _EMPTY)}
 
     def _release_flats(self) -> None:
         for part in self.inner.parts:
