@@ -152,7 +152,29 @@ def merge_indexed_datasets(prefixes: list[str], output_prefix: str, copy_bytes: 
     writer.finalize()
 
 
-class IndexedDataset:
+class _Sequences:
+    """Sequences read through `sizes`, `pointers` (bytes) and `tokens` (the mapped .bin, or a view of it)."""
+
+    sizes: np.ndarray
+    pointers: np.ndarray
+    tokens: np.ndarray
+    dtype: np.dtype
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        """Token ids of sequence i."""
+        start = int(self.pointers[i]) // self.dtype.itemsize
+        return np.asarray(self.tokens[start:start + int(self.sizes[i])])
+
+    @property
+    def num_tokens(self) -> int:
+        """All tokens of these sequences."""
+        return int(self.sizes.sum())
+
+
+class IndexedDataset(_Sequences):
     """Reads prefix.idx eagerly (small) and maps prefix.bin (never loaded whole)."""
 
     def __init__(self, prefix: str):
@@ -220,21 +242,9 @@ class IndexedDataset:
             raise DatasetFormatError(f"{path}: document index must rise from 0 to the sequence count "
                                      f"{len(self.sizes)}, found {found}; corrupt header")
 
-    def __len__(self) -> int:
-        return len(self.sizes)
-
-    def __getitem__(self, i: int) -> np.ndarray:
-        """Token ids of sequence i."""
-        start = int(self.pointers[i]) // self.dtype.itemsize
-        return np.asarray(self.tokens[start:start + int(self.sizes[i])])
-
-    @property
-    def num_tokens(self) -> int:
-        """All tokens in the .bin."""
-        return int(self.sizes.sum())
 
 
-class DocumentRange:
+class DocumentRange(_Sequences):
     """Documents [first, end) of an IndexedDataset read as a dataset of their own (the same
     attributes, `tokens` a view of the mapped .bin): a train, valid or test part of Megatron's
     --split by documents."""
@@ -251,19 +261,6 @@ class DocumentRange:
         self.document_indices = indexed.document_indices[first:end + 1] - seq0
         start = base // self.dtype.itemsize
         self.tokens = indexed.tokens[start:start + int(self.sizes.sum())]
-
-    def __len__(self) -> int:
-        return len(self.sizes)
-
-    def __getitem__(self, i: int) -> np.ndarray:
-        """Token ids of sequence i of the range."""
-        start = int(self.pointers[i]) // self.dtype.itemsize
-        return np.asarray(self.tokens[start:start + int(self.sizes[i])])
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens in the range."""
-        return int(self.sizes.sum())
 
 
 def split_documents(split: str, documents: int) -> list[tuple[int, int]]:
