@@ -16,7 +16,18 @@ import time
 import pytest
 
 from tests.conftest import REPO
-from tests.slurm.launchers import DEFAULT_LOG, TINY_FLAGS, ensure_data, losses, user_env
+from tests.slurm.launchers import (
+    DEFAULT_ARRAY_LOG,
+    DEFAULT_LOG,
+    SMALL_VOCAB,
+    TINY_FLAGS,
+    dataset_files,
+    ensure_data,
+    losses,
+    one_preprocess_run,
+    small_corpus,
+    user_env,
+)
 
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
             "DEADLINE"}
@@ -154,3 +165,50 @@ def test_submitting_from_outside_the_repository_names_the_problem(tmp_path, subm
     fields = job.wait()
     assert fields["JobState"] == "FAILED" and fields["ExitCode"] == "2:0", fields
     assert f"error: {tmp_path} is not the megazero repository" in job.log(), job.log()
+
+
+def _array_tasks(job_id: str, count: int, timeout: float = 120.0) -> dict[str, dict[str, str]]:
+    """Poll scontrol every second until the array job's `count` tasks have all ended: task id -> fields."""
+    deadline = time.time() + timeout
+    tasks: dict[str, dict[str, str]] = {}
+    while time.time() < deadline:
+        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
+        # pending tasks show as one record (ArrayTaskId=0-1) until they start
+        tasks = {f["ArrayTaskId"]: f for f in (dict(re.findall(r"(\w+)=(\S*)", line)) for line in out.splitlines())
+                 if "ArrayTaskId" in f}
+        if len(tasks) == count and all(f.get("JobState") in TERMINAL for f in tasks.values()):
+            return tasks
+        time.sleep(1.0)
+    subprocess.run(["scancel", job_id])
+    raise AssertionError(f"array job {job_id} did not finish within {timeout}s: {tasks}")
+
+
+def test_sbatch_array_tokenizes_in_parts_and_the_last_task_merges(tmp_path):
+    # the header's second usage line: INPUT and OUTPUT_PREFIX set, the array's size chosen on the
+    # command line; 3 files in 2 blocks, the tasks on the two nodes at once (2 CPUs each)
+    inputs = small_corpus(tmp_path / "corpus")
+    prefix = str(tmp_path / "out" / "corpus")
+    env = user_env({"INPUT": " ".join(inputs), "OUTPUT_PREFIX": prefix, "VOCAB_SIZE": SMALL_VOCAB})
+    proc = subprocess.run(["sbatch", "--array=0-1", "scripts/preprocess_data.sbatch"], capture_output=True,
+                          text=True, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    job_id = re.fullmatch(r"Submitted batch job (\d+)\s*", proc.stdout).group(1)
+    logs = {task: os.path.join(REPO, DEFAULT_ARRAY_LOG["preprocess_data.sbatch"].format(job=job_id, task=task))
+            for task in ("0", "1")}
+    try:
+        tasks = _array_tasks(job_id, 2)
+        text = {task: open(path).read() if os.path.exists(path) else "" for task, path in logs.items()}
+        for task, fields in tasks.items():
+            assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", f"{fields}\n{text[task][-3000:]}"
+            assert fields["StdOut"] == logs[task], fields
+        merged = [task for task in text if "merged 2 partitions into" in text[task]]
+        assert len(merged) == 1, text
+        written = dataset_files(prefix)
+        assert len(written) == 5, sorted(written)
+        assert written == one_preprocess_run(inputs, str(tmp_path / "one" / "corpus"), prefix + "_tokenizer.model")
+        left = sorted(n for n in os.listdir(tmp_path / "out") if n.endswith(("training", "merging", f".{job_id}")))
+        assert not left, f"markers left behind: {left}"
+    finally:
+        for path in logs.values():
+            if os.path.exists(path):
+                os.remove(path)
