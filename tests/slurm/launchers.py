@@ -3,7 +3,10 @@ where each launcher's log goes by default, and the environment a user would have
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
+import random
 import re
 import signal
 import subprocess
@@ -11,13 +14,17 @@ import sys
 
 from tests.conftest import REPO
 
-# every file in scripts/ that `sbatch` or `bash` runs; test_every_launcher_is_tested keeps it complete
+# every file in scripts/ that `sbatch` or `bash` runs (test_every_launcher_is_tested keeps the two
+# complete): LAUNCHERS train a recipe (TINY_FLAGS), DATA_LAUNCHERS write datasets
 LAUNCHERS = ("pretrain_gpt2.sbatch", "pretrain_gpt2.sh", "pretrain_llama.sh", "pretrain_bert.sh")
+DATA_LAUNCHERS = ("preprocess_data.sbatch",)
 # the .sbatch names its log in its header (logs/ is committed); sbatch's default is slurm-<id>.out
 # in the directory sbatch was called from
 DEFAULT_LOG = {"pretrain_gpt2.sbatch": "logs/megazero-gpt2-{job}.out",
                "pretrain_gpt2.sh": "slurm-{job}.out", "pretrain_llama.sh": "slurm-{job}.out",
                "pretrain_bert.sh": "slurm-{job}.out"}
+# an array job's tasks log one file each: {job} is the array job id, {task} the task id
+DEFAULT_ARRAY_LOG = {"preprocess_data.sbatch": "logs/megazero-preprocess-{job}_{task}.out"}
 # recipe flags from the README's flag list: a 2-layer model, logging every 5 iterations, no
 # evaluation or checkpoint before the end
 TINY = ("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
@@ -29,7 +36,8 @@ TINY_FLAGS = {"pretrain_gpt2.sbatch": (*TINY, "--global-batch-size", "8", "--mic
               "pretrain_bert.sh": (*TINY, "--global-batch-size", "16", "--micro-batch-size", "8", "--lr", "0.001")}
 # the launchers' own knobs: a test sets only those it means to, as the README documents them
 LAUNCHER_ENV = ("MEGAZERO_DIR", "PYTHON", "LAUNCHER", "NPROC", "NPROC_PER_NODE", "DATA_PATH", "SAVE_DIR",
-                "TB_DIR", "CONFIG", "MODEL_CONFIG", "TRAIN_ITERS", "OMP_NUM_THREADS", "MAX_RESTARTS")
+                "TB_DIR", "CONFIG", "MODEL_CONFIG", "TRAIN_ITERS", "OMP_NUM_THREADS", "MAX_RESTARTS",
+                "INPUT", "OUTPUT_PREFIX", "TOKENIZER", "VOCAB_SIZE", "WORKERS", "WAIT_MINUTES")
 BERT_PREFIX = os.path.join(REPO, "data", "bert", "shakespeare")
 
 
@@ -72,3 +80,46 @@ def run_in_own_session(cmd: list[str], env: dict[str, str], cwd: str, timeout: f
         tail = f"{out[-3000:]}\n{err[-3000:]}"
         raise AssertionError(f"{' '.join(cmd)} did not finish within {timeout}s\n{tail}") from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+WORDS = ("king", "queen", "fool", "ghost", "duke", "maid", "storm", "crown", "sword", "night")
+# the data launcher's knobs for the small corpus of small_corpus(): a tokenizer that corpus can train
+SMALL_VOCAB = "300"
+
+
+def small_corpus(directory) -> list[str]:
+    """Three small input files in `directory` (two jsonl of 30 documents, one text file): paths."""
+    rng = random.Random(0)
+
+    def text(sentences: int) -> str:
+        return " ".join(f"The {rng.choice(WORDS)} saw the {rng.choice(WORDS)}{rng.choice('.!?')}"
+                        + ("\n" if rng.random() < 0.3 else "") for _ in range(sentences))
+
+    os.makedirs(directory, exist_ok=True)
+    paths = []
+    for i in range(2):
+        paths.append(os.path.join(directory, f"shard{i}.jsonl"))
+        with open(paths[-1], "w") as f:
+            f.writelines(json.dumps({"text": text(rng.randint(1, 12))}) + "\n" for _ in range(30))
+    paths.append(os.path.join(directory, "play.txt"))
+    with open(paths[-1], "w") as f:
+        f.write(text(150))
+    return paths
+
+
+def dataset_files(prefix: str) -> dict[str, bytes]:
+    """The merged dataset family of `prefix` (P_*.bin, .idx, _stats.json; not the P_part* outputs)."""
+    directory, base = os.path.split(prefix)
+    return {name[len(base):]: open(os.path.join(directory, name), "rb").read() for name in sorted(os.listdir(directory))
+            if name.startswith(base + "_") and "_part" not in name and name.endswith((".bin", ".idx", "_stats.json"))}
+
+
+def one_preprocess_run(inputs: list[str], prefix: str, tokenizer: str) -> dict[str, bytes]:
+    """dataset_files of one scripts/preprocess_data.py run over `inputs` (its defaults, `tokenizer`),
+    run in this process (no interpreter start-up)."""
+    script = os.path.join(REPO, "scripts", "preprocess_data.py")
+    spec = importlib.util.spec_from_file_location("_preprocess_data", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--input", *inputs, "--output-prefix", prefix, "--tokenizer-model", tokenizer])
+    return dataset_files(prefix)

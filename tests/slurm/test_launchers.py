@@ -11,22 +11,28 @@ import pytest
 
 from tests.conftest import REPO
 from tests.slurm.launchers import (
+    DATA_LAUNCHERS,
     LAUNCHERS,
+    SMALL_VOCAB,
     TINY_FLAGS,
+    dataset_files,
     ensure_data,
     header_output_paths,
     losses,
+    one_preprocess_run,
     run_in_own_session,
+    small_corpus,
     user_env,
 )
 
 
 def test_every_launcher_is_tested():
     found = {os.path.basename(p) for pattern in ("*.sh", "*.sbatch") for p in glob.glob(f"{REPO}/scripts/{pattern}")}
-    assert found == set(LAUNCHERS), f"scripts/ has launchers {sorted(found)}; the tests know {sorted(LAUNCHERS)}"
+    known = sorted(LAUNCHERS + DATA_LAUNCHERS)
+    assert found == set(known), f"scripts/ has launchers {sorted(found)}; the tests know {known}"
 
 
-@pytest.mark.parametrize("launcher", LAUNCHERS)
+@pytest.mark.parametrize("launcher", LAUNCHERS + DATA_LAUNCHERS)
 def test_directories_the_sbatch_headers_write_to_are_in_git(launcher):
     # Slurm does not create the directory of --output: a job whose log directory is missing on a
     # fresh clone fails with JobLaunchFailure before the script runs
@@ -54,3 +60,19 @@ def test_bash_runs_the_launcher_on_this_machine(tmp_path, launcher, from_repo_ro
     assert "launcher torchrun --standalone, 2 process(es)" in out and "2 ranks" in out, out
     assert "iteration     10/10" in out and len(losses(out)) == 2, out
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "global_step10"
+
+
+def test_bash_runs_the_data_launcher_on_this_machine(tmp_path):
+    # outside Slurm: one process over all the inputs, trains the tokenizer, writes what one
+    # preprocess_data.py run writes with it
+    inputs = small_corpus(tmp_path / "corpus")
+    prefix = str(tmp_path / "out" / "corpus")
+    env = user_env({"INPUT": " ".join(inputs), "OUTPUT_PREFIX": prefix, "VOCAB_SIZE": SMALL_VOCAB}, outside_slurm=True)
+    proc = run_in_own_session(["bash", "scripts/preprocess_data.sbatch"], env, REPO, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    written = dataset_files(prefix)
+    assert set(written) == {"_train_text_document.bin", "_train_text_document.idx", "_valid_text_document.bin",
+                            "_valid_text_document.idx", "_stats.json"}, sorted(written)
+    assert written == one_preprocess_run(inputs, str(tmp_path / "one" / "corpus"), prefix + "_tokenizer.model")
+    assert sorted(os.listdir(tmp_path / "out")) == sorted(f"corpus{suffix}" for suffix in
+                                                          [*written, "_tokenizer.model", "_tokenizer.vocab"])

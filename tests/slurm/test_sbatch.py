@@ -16,7 +16,18 @@ import time
 import pytest
 
 from tests.conftest import REPO
-from tests.slurm.launchers import DEFAULT_LOG, TINY_FLAGS, ensure_data, losses, user_env
+from tests.slurm.launchers import (
+    DEFAULT_ARRAY_LOG,
+    DEFAULT_LOG,
+    SMALL_VOCAB,
+    TINY_FLAGS,
+    dataset_files,
+    ensure_data,
+    losses,
+    one_preprocess_run,
+    small_corpus,
+    user_env,
+)
 
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
             "DEADLINE"}
@@ -154,3 +165,83 @@ def test_submitting_from_outside_the_repository_names_the_problem(tmp_path, subm
     fields = job.wait()
     assert fields["JobState"] == "FAILED" and fields["ExitCode"] == "2:0", fields
     assert f"error: {tmp_path} is not the megazero repository" in job.log(), job.log()
+
+
+class ArrayJob:
+    """One submitted array job: its id, and each task's log where the launcher's header puts it."""
+
+    def __init__(self, job_id: str, log_paths: dict[str, str]):
+        self.id, self.log_paths = job_id, log_paths
+
+    def logs(self) -> dict[str, str]:
+        return {task: open(path).read() if os.path.exists(path) else "" for task, path in self.log_paths.items()}
+
+    def wait(self, timeout: float = 120.0) -> dict[str, dict[str, str]]:
+        """Poll scontrol every second until every task has ended: task id -> its fields."""
+        deadline = time.time() + timeout
+        tasks: dict[str, dict[str, str]] = {}
+        while time.time() < deadline:
+            out = subprocess.run(["scontrol", "show", "job", "-o", self.id], capture_output=True, text=True).stdout
+            # pending tasks show as one record (ArrayTaskId=0-1) until they start
+            tasks = {f["ArrayTaskId"]: f for f in (dict(re.findall(r"(\w+)=(\S*)", line)) for line in out.splitlines())
+                     if "ArrayTaskId" in f}
+            if tasks.keys() == self.log_paths.keys() and all(f.get("JobState") in TERMINAL for f in tasks.values()):
+                for task, fields in tasks.items():
+                    assert fields["StdOut"] == self.log_paths[task], fields
+                return tasks
+            time.sleep(1.0)
+        subprocess.run(["scancel", self.id])
+        raise AssertionError(f"array job {self.id} did not finish within {timeout}s: {tasks}\n{self.logs()}")
+
+
+@pytest.fixture()
+def submit_array():
+    """submit_array(launcher, env, tasks) runs `sbatch --array=0-<tasks-1> scripts/<launcher>` from the
+    repository root; the tasks' logs are removed afterwards."""
+    jobs: list[ArrayJob] = []
+
+    def run(launcher: str, env: dict[str, str], tasks: int) -> ArrayJob:
+        proc = subprocess.run(["sbatch", f"--array=0-{tasks - 1}", f"scripts/{launcher}"], capture_output=True,
+                              text=True, env=user_env(env), cwd=REPO)
+        assert proc.returncode == 0, proc.stderr
+        job_id = re.fullmatch(r"Submitted batch job (\d+)\s*", proc.stdout).group(1)
+        log = os.path.join(REPO, DEFAULT_ARRAY_LOG[launcher])
+        jobs.append(ArrayJob(job_id, {str(t): log.format(job=job_id, task=t) for t in range(tasks)}))
+        return jobs[-1]
+
+    yield run
+    for job in jobs:
+        for path in job.log_paths.values():
+            if os.path.exists(path):
+                os.remove(path)
+
+
+def test_sbatch_array_tokenizes_in_parts_and_the_last_task_merges(tmp_path, submit_array):
+    # the header's second usage line: INPUT and OUTPUT_PREFIX set, the array's size chosen on the
+    # command line; 3 files in 2 blocks, the tasks on the two nodes at once (2 CPUs each)
+    inputs = small_corpus(tmp_path / "corpus")
+    prefix = str(tmp_path / "out" / "corpus")
+    job = submit_array("preprocess_data.sbatch",
+                       {"INPUT": " ".join(inputs), "OUTPUT_PREFIX": prefix, "VOCAB_SIZE": SMALL_VOCAB}, 2)
+    tasks, logs = job.wait(), job.logs()
+    for task, fields in tasks.items():
+        assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", f"{fields}\n{logs[task][-3000:]}"
+    assert sum("merged 2 partitions into" in log for log in logs.values()) == 1, logs
+    written = dataset_files(prefix)
+    assert len(written) == 5, sorted(written)
+    assert written == one_preprocess_run(inputs, str(tmp_path / "one" / "corpus"), prefix + "_tokenizer.model")
+    left = sorted(n for n in os.listdir(tmp_path / "out") if n.endswith(("training", "merging", f".{job.id}")))
+    assert not left, f"markers left behind: {left}"
+
+
+def test_sbatch_array_tasks_stop_when_task_0_has_no_tokenizer(tmp_path, submit_array):
+    # task 1 stops at once instead of waiting WAIT_MINUTES for a tokenizer that will not come
+    missing = str(tmp_path / "missing.model")
+    job = submit_array("preprocess_data.sbatch", {"INPUT": " ".join(small_corpus(tmp_path / "corpus")),
+                                                  "OUTPUT_PREFIX": str(tmp_path / "out" / "corpus"),
+                                                  "TOKENIZER": missing}, 2)
+    tasks, logs = job.wait(timeout=60), job.logs()
+    assert [tasks[t]["JobState"] for t in "01"] == ["FAILED", "FAILED"], tasks
+    assert tasks["0"]["ExitCode"] == "2:0" and f"error: TOKENIZER={missing} not found" in logs["0"], logs
+    assert tasks["1"]["ExitCode"] == "1:0", tasks
+    assert f"error: task 1 has no tokenizer: task 0 of job {job.id}: TOKENIZER={missing} not found" in logs["1"], logs
