@@ -60,6 +60,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     from megazero.data.loader import DistributedBatchLoader
     from megazero.optim import build_optimizer, build_scheduler
     from megazero.zero import build_data_parallel_state
+    from megazero.zero.offload import build_offload
 
     if model is None:
         raise ValueError("initialize() needs a model")
@@ -85,6 +86,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     tied = tied_parameters(model)
     dp_state = build_data_parallel_state(engine_config.zero_optimization, model, [g["params"] for g in groups],
                                          dp_group, isolate=tied)
+    dp_state, wrap_optimizer = build_offload(engine_config, dp_state, dp_group)
     optimizer_groups = dp_state.optimizer_groups(groups)
     if optimizer is None:
         optimizer = build_optimizer(engine_config.optimizer, optimizer_groups)
@@ -93,6 +95,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
             group["params"] = new["params"]
     else:
         optimizer = optimizer(optimizer_groups)
+    optimizer = wrap_optimizer(optimizer)  # offloaded: stepped sub-group by sub-group
     _warn_client_scheduler_wins(lr_scheduler, engine_config)
     if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
         lr_scheduler = lr_scheduler(optimizer)

@@ -4,9 +4,10 @@ Files of save_dir/tag/ (names in checkpoint.files), per (tensor rank TP, pipelin
   mp_rank_{TP}[_{PP}]_model_states.pt   module state dict under global parameter names, the
                                layout (TP, PP, DP sizes, ZeRO stage), each parameter's partition
                                dimension, counters, LR schedule, loss scaler, client state
-  mp_rank_{TP}[_{PP}]_optim_states.pt   ZeRO stage 0: optimizer state dict and fp32 master weights
-  zero_pp_rank_{D}_mp_rank_{TP}[_{PP}]_optim_states.pt   ZeRO 1-3: data-parallel rank D's master and
-                               optimizer partitions and their layout
+  mp_rank_{TP}[_{PP}]_optim_states.pt   a replicated data-parallel state (ZeRO 0): its state_dict()
+                               (optimizer state dict and fp32 master weights), from DP rank 0
+  zero_pp_rank_{D}_mp_rank_{TP}[_{PP}]_optim_states.pt   a partitioned one (ZeRO 1-3): data-parallel
+                               rank D's state_dict() (master and optimizer partitions, their layout)
   rng_state_rank{R}.pt         each rank's torch / python / numpy RNG states (and the TP tracker's)
 Resuming at the same layout restores all of it, and the engine's data loader position, so a
 resumed run continues bit for bit like an uninterrupted one. At any other layout (TP, PP, DP or
@@ -14,6 +15,8 @@ ZeRO stage changed) the states are reassembled per parameter and cut again (chec
 the per-rank generator states are then not restored. Dropout does not depend on them: training
 forwards draw from streams keyed by the seed (saved in the model file, restored at every layout),
 the step and the micro-batch's coordinates (tensor_parallel.random.MicroBatchStreams).
+What a data-parallel state writes and how it is re-cut is its own (megazero.zero.protocol): this
+module knows the ZeRO stage only as metadata (written, and compared for "same layout").
 """
 
 from __future__ import annotations
@@ -50,11 +53,9 @@ from megazero.checkpoint.io import (
 )
 from megazero.checkpoint.manifest import check_files, complete_tags, directory_problems, read_manifest
 from megazero.checkpoint.universal import apply_parameter_states, read_parameter_states, saved_layout
-from megazero.checkpoint.zero_state import load_own_zero_state, same_zero_layout, zero_state
 from megazero.model_contract import global_name_of, model_config_dict
 from megazero.tensor_parallel.random import get_rng_tracker
 from megazero.tensor_parallel.utils import partition_of
-from megazero.zero.init import GatheredParameters
 
 MODEL_FILE = model_file()  # the single-process (TP = PP = 1) name
 
@@ -101,10 +102,13 @@ def layout_of(engine) -> dict:
             "tp_rank": grid.tp_rank if grid else 0, "pp_rank": grid.pp_rank if grid else 0}
 
 
-def _files(engine) -> tuple[str, str, str]:
+def _files(engine) -> tuple[str, str]:
+    """(model file, this rank's data-parallel state file): a partitioned state's own per rank, a
+    replicated one's shared by the data-parallel ranks."""
     layout = layout_of(engine)
     where = (layout["tp_rank"], layout["pp_rank"], layout["pp"])
-    return model_file(*where), optim_file(*where), zero_file(engine.dp_rank, *where)
+    state = zero_file(engine.dp_rank, *where) if engine.dp.state_partitioned else optim_file(*where)
+    return model_file(*where), state
 
 
 def save_engine_checkpoint(engine, save_dir, tag, client_state: dict) -> str:
@@ -117,20 +121,14 @@ def save_engine_checkpoint(engine, save_dir, tag, client_state: dict) -> str:
     tag = check_tag(f"global_step{engine.global_steps}" if tag is None else tag)
     check_plain(client_state)
     names = global_names(engine.module)
-    model_name, optim_name, zero_name = _files(engine)
+    model_name, state_name = _files(engine)
     layout = {k: v for k, v in layout_of(engine).items() if not k.endswith("_rank")}
     layout.update(world_size=_world_size(), format_version=FORMAT_VERSION)
     with atomic_checkpoint_dir(save_dir, tag, layout=layout, keep_last=engine.config.checkpoint.keep_last) as tmp:
         if engine.dp_rank == 0:  # one writer per (tensor rank, pipeline stage)
             save_file(_model_state(engine, client_state, names), os.path.join(tmp, model_name))
-        if engine.dp.stage == 0 and engine.dp_rank == 0:
-            master = engine.dp.master
-            save_file({"optimizer": engine.optimizer.state_dict(),
-                       "param_names": [names[id(p)] for p in master.model_params],
-                       "master_params": [p.detach() for p in master.params] if master.separate else None},
-                      os.path.join(tmp, optim_name))
-        elif engine.dp.stage > 0:
-            save_file(zero_state(engine, names), os.path.join(tmp, zero_name))
+        if engine.dp.state_partitioned or engine.dp_rank == 0:  # a replicated state: one writer
+            save_file(engine.dp.state_dict(engine.optimizer, names), os.path.join(tmp, state_name))
         save_file(capture_rng_state(), os.path.join(tmp, rng_file(engine.global_rank)))
     return os.path.join(save_dir, tag)
 
@@ -158,12 +156,12 @@ def _model_state(engine, client_state: dict, names: dict[int, str]) -> dict:
 
 
 def _module_state(engine) -> dict:
-    """The module's state dict under global names; under ZeRO-3 without the (partitioned)
-    parameters, which live in the per-rank ZeRO files, so that no rank has to hold the whole
-    model to save it."""
+    """The module's state dict under global names; without the parameters when the data-parallel
+    state partitions them (ZeRO-3): they live in the per-rank state files, so that no rank has to
+    hold the whole model to save it."""
     rename = global_name_of(engine.module)
     state = engine.module.state_dict()
-    if engine.dp.stage == 3:
+    if engine.dp.params_partitioned:
         params = {name for name, _ in engine.module.named_parameters()}
         state = {k: v for k, v in state.items() if k not in params}
     return {rename(k): v for k, v in state.items()}
@@ -288,7 +286,7 @@ def load_engine_checkpoint(engine, load_dir, tag, load_optimizer_states: bool, l
         tag = previous[-1]
         path = os.path.join(load_dir, tag)
         verify_checkpoint_dir(path, engine.config.checkpoint.verify)
-    model_name, optim_name, zero_name = _files(engine)
+    model_name, state_name = _files(engine)
     mine = layout_of(engine)
     state = _read_model_state(path, model_name if os.path.isfile(os.path.join(path, model_name))
                               else _any_model_file(path))
@@ -304,11 +302,11 @@ def load_engine_checkpoint(engine, load_dir, tag, load_optimizer_states: bool, l
     # weights only: always per parameter (the ZeRO-3 module file holds no parameters)
     same = same_layout and load_optimizer_states
     names = global_names(engine.module)
-    if same and engine.dp.stage > 0:
-        zero = load_file(os.path.join(path, zero_name))
-        same = same_zero_layout(engine, zero, names)
     if same:
-        _load_same_layout(engine, path, state, optim_name, zero_name, load_module_strict)
+        own = load_file(os.path.join(path, state_name))
+        same = engine.dp.same_layout(own, names)
+    if same:
+        _load_same_layout(engine, path, state, os.path.join(path, state_name), own, load_module_strict)
     else:
         apply_parameter_states(engine, read_parameter_states(path), load_optimizer_states, names)
         engine.module.load_state_dict(_local_buffers(engine, state), strict=False)
@@ -356,11 +354,12 @@ def _load_module_state(engine, path: str, state: dict, strict: bool) -> None:
 
 def _load_module_only(engine, path: str, state: dict, strict: bool) -> None:
     """Weights and buffers only: optimizer, schedule, counters, loss scale and RNG keep their state.
-    At the saved tensor/pipeline layout, without ZeRO-3 on either side, the model file holds this
-    rank's whole module; otherwise the weights are reassembled per parameter (strict only)."""
+    At the saved tensor/pipeline layout, when the model file holds the parameters and the engine's
+    state does not partition them (no ZeRO-3 on either side), the model file holds this rank's whole
+    module; otherwise the weights are reassembled per parameter (strict only)."""
     saved, mine = saved_layout(state), layout_of(engine)
-    if (saved["tp"], saved["pp"]) == (mine["tp"], mine["pp"]) and 3 not in (saved["zero_stage"], mine["zero_stage"]) \
-            and not state.get("converted"):
+    if (saved["tp"], saved["pp"]) == (mine["tp"], mine["pp"]) and _holds_parameters(engine, state) \
+            and not engine.dp.params_partitioned and not state.get("converted"):
         _load_module_state(engine, path, state, strict)
         engine.dp.reset_masters()
         return
@@ -382,7 +381,7 @@ def module_weights(engine) -> dict[str, torch.Tensor] | None:
     groups = [[p for p in module.parameters() if id(p) not in in_layers]] + layers
     copies: dict[int, torch.Tensor] = {}
     for params in groups:
-        with GatheredParameters(params):  # a no-op for parameters ZeRO-3 does not partition
+        with engine.dp.gathered(params):  # a no-op for parameters the state does not partition
             if is_writer:
                 copies.update({id(p): p.detach().clone() for p in params})
     if not is_writer:
@@ -392,12 +391,20 @@ def module_weights(engine) -> dict[str, torch.Tensor] | None:
             for name, t in module.state_dict(keep_vars=True).items()}
 
 
-def _load_same_layout(engine, path: str, state: dict, optim_name: str, zero_name: str, strict: bool) -> None:
-    _load_module_state(engine, path, state, strict and engine.dp.stage != 3)
-    if engine.dp.stage == 0:
-        _load_replicated_optimizer(engine, os.path.join(path, optim_name))
-    else:
-        load_own_zero_state(engine, load_file(os.path.join(path, zero_name)))
+def _holds_parameters(engine, state: dict) -> bool:
+    """True when a model file's module state holds the parameters (not those of a state that
+    partitions them, ZeRO-3, which saves them in its own files)."""
+    names = state.get("param_meta") or global_names(engine.module).values()
+    return any(name in state["module"] for name in names)
+
+
+def _load_same_layout(engine, path: str, state: dict, state_path: str, own: dict, strict: bool) -> None:
+    """The module from the model file, then the data-parallel state from its own file `own`."""
+    _load_module_state(engine, path, state, strict and not engine.dp.params_partitioned)
+    try:
+        engine.dp.load_state_dict(own, engine.optimizer)
+    except ValueError as e:
+        raise CheckpointError(f"{state_path}: {e}") from e
 
 
 def _restore_engine_state(engine, state: dict, load_lr_scheduler_states: bool) -> None:
@@ -411,13 +418,3 @@ def _restore_engine_state(engine, state: dict, load_lr_scheduler_states: bool) -
     if engine.training_dataloader is not None:
         engine.training_dataloader.set_consumed_samples(state["global_samples"])
 
-
-def _load_replicated_optimizer(engine, optim_path: str) -> None:
-    optim = load_file(optim_path)
-    engine.optimizer.load_state_dict(optim["optimizer"])
-    master = engine.dp.master
-    if master.separate:
-        with torch.no_grad():
-            for param, saved in zip(master.params, optim["master_params"]):
-                param.copy_(saved)
-        master.copy_to_model()

@@ -4,8 +4,9 @@ format version the model files record.
     save_dir/latest                              the tag of the newest complete checkpoint
     save_dir/{tag}/                              one checkpoint:
       mp_rank_{TP}_model_states.pt               module state, counters, schedule, loss scale, layout
-      mp_rank_{TP}_optim_states.pt               ZeRO stage 0: optimizer state and fp32 masters
-      zero_pp_rank_{DP}_mp_rank_{TP}_optim_states.pt   ZeRO 1-3: data-parallel rank DP's partitions
+      mp_rank_{TP}_optim_states.pt               a replicated data-parallel state (ZeRO 0): optimizer
+                                                 state and fp32 masters, written by DP rank 0
+      zero_pp_rank_{DP}_mp_rank_{TP}_optim_states.pt   a partitioned one (ZeRO 1-3): DP rank DP's partitions
       rng_state_rank{R}.pt                       each global rank's RNG states
       manifest.json                              every other file's size and checksum, and the layout:
                                                  written last, so a directory with one is complete
@@ -44,12 +45,13 @@ def model_file(tp_rank: int = 0, pp_rank: int = 0, pp_size: int = 1) -> str:
 
 
 def optim_file(tp_rank: int = 0, pp_rank: int = 0, pp_size: int = 1) -> str:
-    """ZeRO-0 optimizer file of one (tensor rank, pipeline stage)."""
+    """The state file of a replicated data-parallel state (ZeRO 0) of one (tensor rank, pipeline stage)."""
     return f"mp_rank_{mp_suffix(tp_rank, pp_rank, pp_size)}_optim_states.pt"
 
 
 def zero_file(dp_rank: int, tp_rank: int = 0, pp_rank: int = 0, pp_size: int = 1) -> str:
-    """ZeRO 1-3 partition file of one data-parallel rank of one (tensor rank, pipeline stage)."""
+    """The state file of one data-parallel rank of a partitioned state (ZeRO 1-3) of one (tensor rank,
+    pipeline stage)."""
     return f"zero_pp_rank_{dp_rank}_mp_rank_{mp_suffix(tp_rank, pp_rank, pp_size)}_optim_states.pt"
 
 

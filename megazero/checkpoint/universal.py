@@ -6,7 +6,10 @@ weight (the master; the module's weight where there is none), each whole optimiz
 (Adam's moments, step, ...), its optimizer param group, and the module's other state.
 `apply_parameter_states(engine, states)` cuts those for the engine's own layout: its tensor-
 parallel shard (along each parameter's partition dimension), its pipeline stage (by name), and
-its ZeRO partition. Loading at the same layout does not come here: each rank reads its own files.
+its data-parallel partition. Neither side knows the ZeRO stage: the files are decoded by the exporter
+of the format the writing state registered, and the engine's data-parallel state cuts its own
+partitions (megazero.zero.protocol). Loading at the same layout does not come here: each rank
+reads its own files.
 """
 
 from __future__ import annotations
@@ -17,10 +20,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megazero.checkpoint.files import MODEL_FILES, model_file, model_files_in, optim_file, zero_files_of
+from megazero.checkpoint.files import MODEL_FILES, ZERO_FILES, model_file, model_files_in, optim_file, zero_files_of
 from megazero.checkpoint.io import CheckpointError, check_format_version, load_file
-from megazero.checkpoint.zero_state import cut_partition, per_parameter_states, read_zero_states
 from megazero.tensor_parallel.utils import is_tensor_parallel, merge_shards, shard_of
+from megazero.zero.protocol import ExportedParameterStates, export_parameter_states
 
 
 @dataclass
@@ -41,30 +44,30 @@ def saved_layout(state: dict) -> dict:
     return state.get("layout") or {"tp": 1, "pp": 1, "dp": state["dp_world_size"], "zero_stage": state["zero_stage"]}
 
 
-def _stage_states(path: str, state: dict, tp_rank: int, pp_rank: int) -> tuple[dict, dict, dict]:
-    """(weights, optimizer states, group index) by name for one (tensor rank, pipeline stage)."""
-    layout = saved_layout(state)
-    weights, optimizer, group_of = {}, {}, {}
-    if layout["zero_stage"] == 0:
-        optim = load_file(os.path.join(path, optim_file(tp_rank, pp_rank, layout["pp"])))
-        names = optim["param_names"]
-        masters = optim["master_params"] or [state["module"][n] for n in names]
-        weights = {n: t.float() for n, t in zip(names, masters)}
-        saved = optim["optimizer"]
-        for gi, group in enumerate(saved["param_groups"]):
-            for index in group["params"]:
-                group_of[names[index]] = gi
-                optimizer[names[index]] = dict(saved["state"].get(index, {}))
-        return weights, optimizer, group_of
-    files = zero_files_of(path, tp_rank, pp_rank, layout["pp"])
-    states = read_zero_states(path, files)
-    for part, saved in zip(states[0]["groups"], per_parameter_states(states)):
-        for name, tensor in saved["master"].items():
-            weights[name] = tensor.float()
-            group_of[name] = part["group_index"]
-            optimizer[name] = {**{k: v.clone() if torch.is_tensor(v) else v for k, v in saved["_scalars"].items()},
-                               **{k: t[name] for k, t in saved.items() if k not in ("master", "_scalars")}}
-    return weights, optimizer, group_of
+def read_state_files(path: str, tp_rank: int, pp_rank: int, pp: int) -> tuple[list[dict], bool]:
+    """The data-parallel state files of one (tensor rank, pipeline stage) and whether they are per
+    data-parallel rank: every rank's ZeRO file, loaded in rank order, or the one optimizer file a
+    replicated state writes."""
+    files = zero_files_of(path, tp_rank, pp_rank, pp)
+    if not files:
+        name = optim_file(tp_rank, pp_rank, pp)
+        if not os.path.isfile(os.path.join(path, name)):
+            raise CheckpointError(f"{path}: neither {name} nor {ZERO_FILES} files of tensor rank {tp_rank}, "
+                                  f"pipeline stage {pp_rank}")
+        return [load_file(os.path.join(path, name))], False
+    if sorted(files) != list(range(len(files))):
+        raise CheckpointError(f"{path}: ZeRO files for data-parallel ranks {sorted(files)}; some are missing")
+    return [load_file(files[r]) for r in range(len(files))], True
+
+
+def _stage_states(path: str, state: dict, tp_rank: int, pp_rank: int) -> ExportedParameterStates:
+    """Whole per-parameter states of one (tensor rank, pipeline stage), by the exporter of the
+    format its data-parallel state wrote (megazero.zero.protocol)."""
+    saved, per_rank = read_state_files(path, tp_rank, pp_rank, saved_layout(state)["pp"])
+    try:
+        return export_parameter_states(saved, state["module"], per_rank)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from e
 
 
 def read_parameter_states(path: str) -> ParameterStates:
@@ -86,22 +89,15 @@ def read_parameter_states(path: str) -> ParameterStates:
             state = load_file(name)
             if not out.engine:
                 out.engine = state
-            weights, optimizer, group_of = _stage_states(path, state, tp_rank, pp_rank)
+            exported = _stage_states(path, state, tp_rank, pp_rank)
+            if not out.param_groups:  # every stage's optimizer has the same groups: the first file's
+                out.param_groups = exported.param_groups
             out.meta.update(state.get("param_meta", {}))
-            out.group_of.update(group_of)
-            by_rank.setdefault(pp_rank, []).append((weights, optimizer, state["module"]))
-    out.param_groups = _param_groups(path, layout)
+            out.group_of.update(exported.group_of)
+            by_rank.setdefault(pp_rank, []).append((exported.weights, exported.optimizer, state["module"]))
     for stage in by_rank.values():
         _merge_tensor_parallel(out, stage)
     return out
-
-
-def _param_groups(path: str, layout: dict) -> list[dict]:
-    if layout["zero_stage"] == 0:
-        saved = load_file(os.path.join(path, optim_file(0, 0, layout["pp"])))["optimizer"]
-    else:
-        saved = read_zero_states(path, zero_files_of(path, 0, 0, layout["pp"]))[0]["optimizer"]
-    return [{k: v for k, v in g.items() if k != "params"} for g in saved["param_groups"]]
 
 
 def _merge(name: str, shards: list[torch.Tensor], meta: dict) -> torch.Tensor:
@@ -170,81 +166,25 @@ def local_shard(full: torch.Tensor, param: torch.nn.Parameter, shape: torch.Size
 
 def apply_parameter_states(engine, states: ParameterStates, load_optimizer_states: bool,
                            global_names: dict[int, str]) -> None:
-    """Set the engine's weights (and optimizer states) from whole per-parameter states."""
-    shapes = _local_shapes(engine)
+    """Set the engine's weights (and optimizer states) from whole per-parameter states: cut to its
+    tensor-parallel shards here, to its data-parallel partitions by its state (load_parameter_states)."""
+    shapes = engine.dp.parameter_shapes()  # a partitioned parameter is an empty tensor: its state knows the shape
     vocab_size = saved_vocab_size(states)
-    locals_by_key: dict[str, dict[int, torch.Tensor]] = {"weight": {}}
-    scalars: dict[int, dict] = {}
+    weights: dict[int, torch.Tensor] = {}
+    per_param: dict[int, dict] | None = {} if load_optimizer_states else None
     for p in engine.module.parameters():
         if id(p) not in global_names:
             continue
         name = global_names[id(p)]
         if name not in states.weights:
             raise CheckpointError(f"parameter {name} is not in the checkpoint")
-        locals_by_key["weight"][id(p)] = local_shard(states.weights[name], p, shapes[id(p)], engine.grid, name,
-                                                     vocab_size)
-        if load_optimizer_states:
-            scalars[id(p)] = {}
-            for key, value in states.optimizer[name].items():
-                if torch.is_tensor(value) and value.dim() > 0:
-                    locals_by_key.setdefault(key, {})[id(p)] = local_shard(value, p, shapes[id(p)], engine.grid,
-                                                                           name, vocab_size)
-                else:
-                    scalars[id(p)][key] = value
+        shape = shapes.get(id(p), p.shape)
+        weights[id(p)] = local_shard(states.weights[name], p, shape, engine.grid, name, vocab_size)
+        if per_param is not None:
+            per_param[id(p)] = {key: local_shard(value, p, shape, engine.grid, name, vocab_size)
+                                if torch.is_tensor(value) and value.dim() > 0 else value
+                                for key, value in states.optimizer[name].items()}
     if load_optimizer_states and len(states.param_groups) != len(engine.optimizer.param_groups):
         raise CheckpointError(f"the checkpoint's optimizer has {len(states.param_groups)} param groups, the "
                               f"engine's {len(engine.optimizer.param_groups)}")
-    if engine.dp.stage == 0:
-        _apply_replicated(engine, locals_by_key, scalars, states, load_optimizer_states)
-    else:
-        _apply_partitioned(engine, locals_by_key, scalars, states, load_optimizer_states)
-
-
-def _local_shapes(engine) -> dict[int, torch.Size]:
-    if engine.dp.stage == 3:  # partitioned parameters are empty tensors: their layouts know the shapes
-        return {id(p): part.layout.shapes[p] for part in engine.dp.parts for p in part.layout.params}
-    return {id(p): p.shape for p in engine.module.parameters()}
-
-
-def _optimizer_state(engine, states: ParameterStates, per_index: dict[int, dict]) -> dict:
-    current = engine.optimizer.state_dict()
-    return {"state": per_index,
-            "param_groups": [{**saved, "params": now["params"]} for saved, now in
-                             zip(states.param_groups, current["param_groups"])]}
-
-
-def _apply_replicated(engine, tensors: dict, scalars: dict, states: ParameterStates, with_optimizer: bool) -> None:
-    master = engine.dp.master
-    with torch.no_grad():
-        for model_param, master_param in zip(master.model_params, master.params):
-            master_param.copy_(tensors["weight"][id(model_param)].view_as(master_param))
-    master.copy_to_model()
-    if not with_optimizer:
-        return
-    per_index = {}
-    for i, p in enumerate(master.model_params):
-        entry = {**{k: v.clone() if torch.is_tensor(v) else v for k, v in scalars[id(p)].items()},
-                 **{k: t[id(p)].reshape(p.shape).clone() for k, t in tensors.items() if k != "weight"}}
-        if entry:
-            per_index[i] = entry
-    engine.optimizer.load_state_dict(_optimizer_state(engine, states, per_index))
-
-
-def _apply_partitioned(engine, tensors: dict, scalars: dict, states: ParameterStates, with_optimizer: bool) -> None:
-    from megazero.zero.master_partitions import load_master_partition
-
-    per_index, index = {}, 0
-    for part in engine.dp.parts:
-        rank = engine.dp_rank
-        load_master_partition(part, cut_partition(part.layout, rank, tensors["weight"]))
-        cut = {key: part.layout.split_partition(cut_partition(part.layout, rank, by_param))
-               for key, by_param in tensors.items() if key != "weight"}
-        first_scalars = scalars.get(id(part.layout.params[0]), {}) if with_optimizer else {}
-        for b in range(len(part.masters)):
-            if with_optimizer and (cut or first_scalars):
-                entry = {k: v.clone() if torch.is_tensor(v) else v for k, v in first_scalars.items()}
-                per_index[index] = {**entry, **{k: v[b].clone() for k, v in cut.items()}}
-            index += 1
-    if with_optimizer:
-        engine.optimizer.load_state_dict(_optimizer_state(engine, states, per_index))
-    engine.dp.update_model()
+    engine.dp.load_parameter_states(engine.optimizer, weights, per_param, states.param_groups)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import AliasChoices, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
@@ -62,6 +62,49 @@ class BF16Config(Section):
     enabled: Bool = Field(False, description="compute in bfloat16 with fp32 master weights")
 
 
+OffloadDevice = Literal["none", "cpu", "nvme"]
+
+
+class OffloadOptimizerConfig(Section):
+    """`zero_optimization.offload_optimizer` (ZeRO-Offload / ZeRO-Infinity, stages 1-3): where the fp32
+    master weights (when they are a copy of a 16-bit model) and the optimizer states live, stepped
+    sub-group by sub-group (megazero.zero.offload)."""
+
+    device: OffloadDevice = Field("none", description="none; cpu: host memory (on a CPU-only machine the "
+                                                      "in-memory path itself); nvme: swap files under nvme_path")
+    nvme_path: Str | None = Field(None, description="directory for the swap files (device nvme; required): "
+                                                    "<nvme_path>/megazero-swap/<run id>/rank<r>/, removed at exit")
+    pin_memory: Bool = Field(False, description="page-lock the host buffers (with CUDA only; no effect on CPU)")
+    buffer_count: Int = Field(4, ge=1, description="sub-group buffers in the pool (nvme): 3 overlap reading the "
+                                                   "next sub-group, stepping this one and writing the previous")
+    fast_init: Bool = Field(False, description="accepted for DeepSpeed; optimizer states are always created by "
+                                               "the first step, sub-group by sub-group, never staged at start-up")
+    ratio: Float = Field(1.0, gt=0, le=1, description="share of the optimizer offloaded (only 1.0: partial "
+                                                      "offload is not implemented)")
+
+    @model_validator(mode="after")
+    def _implemented(self) -> OffloadOptimizerConfig:
+        if self.ratio != 1.0:
+            raise config_error(f"'{{path}}'={self.ratio:g} is not implemented yet (partial offload); use 1.0",
+                               "ratio")
+        if self.device == "nvme" and not self.nvme_path:
+            raise config_error("'{where}device'='nvme' needs '{path}' (a directory for the swap files)",
+                               "nvme_path")
+        return self
+
+
+class OffloadParamConfig(Section):
+    """`zero_optimization.offload_param` (ZeRO-Infinity, stage 3 only): where the partitioned 16-bit
+    parameters live between uses. Not implemented yet: any device but none is an error."""
+
+    device: OffloadDevice = Field("none", description="none (cpu and nvme are not implemented yet)")
+    nvme_path: Str | None = Field(None, description="directory for the parameter swap files (device nvme)")
+    pin_memory: Bool = Field(False, description="page-lock the host buffers (with CUDA only)")
+    buffer_count: Int = Field(5, ge=1, description="parameter buffers in the pool (nvme)")
+    buffer_size: Int = Field(100_000_000, ge=1, description="elements per parameter buffer (nvme)")
+    max_in_cpu: Int = Field(1_000_000_000, ge=0, description="parameter elements kept in host memory (nvme)")
+
+
 class ZeroConfig(Section):
     """`zero_optimization`: stage 0 is plain data parallelism with bucketed all-reduce; stage 1
     partitions the fp32 master weights and optimizer states; stage 2 the gradients too; stage 3 the
@@ -89,6 +132,33 @@ class ZeroConfig(Section):
         True, description="stages 2-3 always reduce-scatter the gradients (true only)")
     stage3_gather_16bit_weights_on_model_save: Bool = Field(
         False, description="save_16bit_model() gathers stage 3's weights (false: it warns and writes nothing)")
+    offload_optimizer: OffloadOptimizerConfig = Field(
+        default_factory=OffloadOptimizerConfig, description="optimizer offload (stages 1-3)")
+    offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig,
+                                              description="parameter offload (stage 3)")
+    sub_group_size: Int = Field(
+        1_000_000_000, ge=1, description="offload: the optimizer steps this many elements at a time (runs of "
+                                         "whole master chunks; a chunk, 1/N of a reduce bucket, is never split)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_blocks(cls, raw: Any) -> Any:
+        if isinstance(raw, dict):  # DeepSpeed configs write an unused offload block as null
+            raw = {k: ({} if k in ("offload_optimizer", "offload_param") and v is None else v) for k, v in raw.items()}
+        return raw
+
+    @model_validator(mode="after")
+    def _offload_needs_stage(self) -> ZeroConfig:
+        if self.offload_optimizer.device != "none" and self.stage == 0:
+            raise config_error(f"'{{path}}'={self.offload_optimizer.device!r} needs 'zero_optimization.stage' 1, "
+                               f"2 or 3, got 0 (as in DeepSpeed)", "offload_optimizer", "device")
+        if self.offload_param.device != "none":
+            if self.stage != 3:
+                raise config_error(f"'{{path}}'={self.offload_param.device!r} needs 'zero_optimization.stage' 3, "
+                                   f"got {self.stage} (as in DeepSpeed)", "offload_param", "device")
+            raise config_error(f"'{{path}}'={self.offload_param.device!r} is not implemented yet; use 'none'",
+                               "offload_param", "device")
+        return self
 
 
 class TensorBoardConfig(Section):
@@ -259,6 +329,16 @@ class SchedulerConfig(_TypedBlock):
         return {name: schedule.params_model for name, schedule in _schedulers().items()}
 
 
+class AioConfig(Section):
+    """`aio`: the asynchronous I/O op (megazero.ops.aio) that swaps offloaded states to NVMe."""
+
+    block_size: Int = Field(1_048_576, ge=4096, description="bytes per read/write request")
+    queue_depth: Int = Field(8, ge=1, description="requests in flight per thread")
+    thread_count: Int = Field(1, ge=1, description="I/O threads")
+    single_submit: Bool = Field(False, description="submit requests one at a time (false: in batches)")
+    overlap_events: Bool = Field(True, description="overlap submitting new requests with completing earlier ones")
+
+
 class EngineConfig(Section):
     """The whole engine configuration (DeepSpeed's keys), with the batch-size triad resolved for a
     data-parallel size by parse_config()."""
@@ -292,6 +372,7 @@ class EngineConfig(Section):
         100, ge=0, description="stop with NumericsError after this many consecutive skipped steps (fp16 "
                                "overflows, inf/nan gradients or losses in any precision); 0 = never")
     watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig, description="the hung-rank watchdog")
+    aio: AioConfig = Field(default_factory=AioConfig, description="asynchronous I/O for NVMe offload")
 
     _data_parallel_size: int = PrivateAttr(1)
 

@@ -27,8 +27,18 @@ OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "lamb": 8, "sgd": 4, "sgd_no_mom
 
 
 def estimate_zero_memory(model_or_num_params, num_ranks: int, stage: int, precision: str = "bf16",
-                         optimizer: str = "adam") -> dict[str, float]:
-    """Per-rank bytes of parameters, gradients and optimizer states for this implementation."""
+                         optimizer: str = "adam", offload_optimizer: str = "none",
+                         sub_group_size: int = 1_000_000_000, buffer_count: int = 4,
+                         reduce_bucket_size: int = 500_000_000) -> dict[str, float]:
+    """Per-rank bytes of parameters, gradients and optimizer states for this implementation, in
+    memory ("total") and on disk ("disk").
+
+    offload_optimizer "nvme" (stages 1-3): the masters (16-bit models) and the optimizer states go
+    to the swap files, (k + m) Psi/N bytes of disk; memory keeps min(buffer_count, sub-groups)
+    sub-group buffers of (k + m) bytes per sub-group element (a sub-group: as many whole master
+    chunks, reduce_bucket_size/N elements each, as fit in sub_group_size; one when a chunk is
+    larger; at most this rank's whole partition). "cpu" on a
+    CPU-only machine is the in-memory path (host memory on a GPU: the same bytes, on the host)."""
     if isinstance(model_or_num_params, torch.nn.Module):
         psi = sum(p.numel() for p in model_or_num_params.parameters() if p.requires_grad)
     else:
@@ -43,8 +53,19 @@ def estimate_zero_memory(model_or_num_params, num_ranks: int, stage: int, precis
     params = p * psi / (n if stage == 3 else 1)
     grads = 4 * psi / (n if stage >= 2 else 1)
     optim = per_param * psi / (n if stage >= 1 else 1)
+    disk = 0.0
+    if offload_optimizer == "nvme":
+        if stage == 0:
+            raise ValueError("optimizer offload needs ZeRO stage 1, 2 or 3")
+        disk = optim
+        partition = psi / n
+        chunk = min(reduce_bucket_size / n, partition)
+        group = min(max(chunk, (sub_group_size // chunk) * chunk), partition)
+        optim = min(buffer_count, max(1, -(-int(partition) // int(group)))) * per_param * group
+    elif offload_optimizer not in ("none", "cpu"):
+        raise ValueError(f"offload_optimizer must be none, cpu or nvme, got {offload_optimizer!r}")
     return {"parameters": params, "gradients": grads, "optimizer_states": optim, "total": params + grads + optim,
-            "num_params": psi}
+            "disk": disk, "num_params": psi}
 
 
 def paper_zero_memory(num_params: int, num_ranks: int, stage: int) -> float:

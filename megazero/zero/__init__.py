@@ -7,13 +7,15 @@ import torch
 from megazero.config import ZeroConfig
 from megazero.zero.init import GatheredParameters, Init
 from megazero.zero.partitioned import PartitionedState
+from megazero.zero.protocol import DataParallelState
 from megazero.zero.replicated import ReplicatedState
 from megazero.zero.sharded import ShardedState
 
 
 def build_data_parallel_state(config: ZeroConfig, model: torch.nn.Module, groups: list[list[torch.nn.Parameter]],
-                              dp_group, isolate: list[torch.nn.Parameter] = ()):
-    """The state object for `config.stage` over the optimizer's param groups (model parameters).
+                              dp_group, isolate: list[torch.nn.Parameter] = ()) -> DataParallelState:
+    """The state object (a megazero.zero.protocol.DataParallelState) for `config.stage` over the
+    optimizer's param groups (model parameters).
 
     `isolate`: parameters (tied weights) whose reduced gradients are later summed with another
     stage's copy; stages 1-2 give each its own layout so the partitions line up."""
@@ -26,5 +28,5 @@ def build_data_parallel_state(config: ZeroConfig, model: torch.nn.Module, groups
     return PartitionedState(groups, dp_group, config.reduce_bucket_size, config.overlap_comm, config.stage, isolate)
 
 
-__all__ = ["build_data_parallel_state", "Init", "GatheredParameters", "ReplicatedState", "PartitionedState",
-           "ShardedState"]
+__all__ = ["build_data_parallel_state", "DataParallelState", "Init", "GatheredParameters", "ReplicatedState",
+           "PartitionedState", "ShardedState"]

@@ -21,6 +21,7 @@ from megazero.zero.buckets import BucketedGradients, InflightLimit
 from megazero.zero.collectives import Handle, all_gather_chunks, reduce_scatter_chunks
 from megazero.zero.layout import Bucket, FlatLayout
 from megazero.zero.master_partitions import MasterPartitions
+from megazero.zero.partition_checkpoint import PartitionCheckpoint
 
 
 class _GroupPartition:
@@ -92,8 +93,11 @@ class _GroupPartition:
                     master.copy_(chunk)
 
 
-class PartitionedState(MasterPartitions):
-    """ZeRO stage 1 or 2 over the optimizer's param groups (same interface as ReplicatedState)."""
+class PartitionedState(MasterPartitions, PartitionCheckpoint):
+    """ZeRO stage 1 or 2 over the optimizer's param groups (a megazero.zero.protocol.DataParallelState;
+    checkpoints in the flat_partitions format)."""
+
+    params_partitioned = False
 
     def __init__(self, groups: list[list[torch.nn.Parameter]], group, bucket_numel: int, overlap: bool,
                  stage: int, isolate: list[torch.nn.Parameter] = ()):

@@ -1,6 +1,14 @@
-"""ZeRO stage 0 (plain data parallelism): every rank holds everything; gradients are all-reduced."""
+"""ZeRO stage 0 (plain data parallelism): every rank holds everything; gradients are all-reduced.
+
+Its checkpoint format (`replicated`, one `mp_rank_*_optim_states.pt` per tensor rank and pipeline
+stage, written by data-parallel rank 0): the optimizer state dict, the global names of the
+parameters in optimizer order, and the fp32 masters (None for an fp32 model: the model file's
+weights are the masters)."""
 
 from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -11,12 +19,42 @@ from megazero.zero.buckets import BucketedGradients
 from megazero.zero.collectives import Handle, all_reduce
 from megazero.zero.layout import FlatLayout
 from megazero.zero.master_partitions import SquaredNormSum
+from megazero.zero.protocol import (
+    REPLICATED_FORMAT,
+    ExportedParameterStates,
+    optimizer_state,
+    register_checkpoint_format,
+)
+
+
+def _per_element(value) -> bool:
+    return torch.is_tensor(value) and value.dim() > 0
+
+
+def export_replicated(saved: list[dict], module: dict[str, torch.Tensor]) -> ExportedParameterStates:
+    """Whole per-parameter states from the one file of a replicated state (16-bit models: its fp32
+    masters; fp32 models: the module's weights)."""
+    (optim,) = saved
+    names = optim["param_names"]
+    masters = optim["master_params"] or [module[n] for n in names]
+    out = ExportedParameterStates(weights={n: t.float() for n, t in zip(names, masters)})
+    state = optim["optimizer"]
+    for gi, group in enumerate(state["param_groups"]):
+        for index in group["params"]:
+            out.group_of[names[index]] = gi
+            out.optimizer[names[index]] = dict(state["state"].get(index, {}))
+    out.param_groups = [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]]
+    return out
 
 
 class ReplicatedState:
     """fp32 gradient buffer all-reduced in buckets; fp32 master weights (copies for 16-bit models)."""
 
     stage = 0
+    checkpoint_format = REPLICATED_FORMAT
+    state_partitioned = False
+    params_partitioned = False
+    export_parameter_states = staticmethod(export_replicated)
 
     def __init__(self, groups: list[list[torch.nn.Parameter]], group, bucket_numel: int, overlap: bool):
         self.group = group
@@ -107,3 +145,55 @@ class ReplicatedState:
     def start_window(self) -> None:
         """Discard gradients and start the next accumulation window."""
         self.grads.start_window()
+
+    # ---- checkpoint (megazero.zero.protocol) ---------------------------------------------------
+    def parameter_shapes(self) -> dict[int, torch.Size]:
+        """{id(param): shape}: every parameter is whole."""
+        return {id(p): p.shape for p in self.layout.params}
+
+    def gathered(self, params: list[torch.nn.Parameter]) -> AbstractContextManager:
+        """Every parameter is whole already."""
+        return nullcontext()
+
+    def state_dict(self, optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict:
+        """The optimizer's state, the parameters' names in its order and the fp32 masters (16-bit models)."""
+        master = self.master
+        return {"optimizer": optimizer.state_dict(),
+                "param_names": [names[id(p)] for p in master.model_params],
+                "master_params": [p.detach() for p in master.params] if master.separate else None}
+
+    def same_layout(self, state: dict, names: dict[int, str]) -> bool:
+        """Every rank holds everything: any file of the same TP/PP/DP layout is this one's."""
+        return True
+
+    def load_state_dict(self, state: dict, optimizer: torch.optim.Optimizer) -> None:
+        """Restore the optimizer and the fp32 masters (16-bit models; fp32 ones were loaded with the module)."""
+        optimizer.load_state_dict(state["optimizer"])
+        master = self.master
+        if master.separate:
+            with torch.no_grad():
+                for param, saved in zip(master.params, state["master_params"]):
+                    param.copy_(saved)
+            master.copy_to_model()
+
+    def load_parameter_states(self, optimizer: torch.optim.Optimizer, weights: dict[int, torch.Tensor],
+                              states: dict[int, dict[str, Any]] | None, param_groups: list[dict]) -> None:
+        """Masters (and model) from the whole weights; the optimizer's per-parameter states."""
+        master = self.master
+        with torch.no_grad():
+            for model_param, master_param in zip(master.model_params, master.params):
+                master_param.copy_(weights[id(model_param)].view_as(master_param))
+        master.copy_to_model()
+        if states is None:
+            return
+        per_index = {}
+        for i, p in enumerate(master.model_params):
+            saved = states[id(p)]
+            entry = {**{k: v.clone() if torch.is_tensor(v) else v for k, v in saved.items() if not _per_element(v)},
+                     **{k: v.reshape(p.shape).clone() for k, v in saved.items() if _per_element(v)}}
+            if entry:
+                per_index[i] = entry
+        optimizer.load_state_dict(optimizer_state(optimizer, per_index, param_groups))
+
+
+register_checkpoint_format(REPLICATED_FORMAT, export_replicated)

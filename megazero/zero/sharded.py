@@ -26,9 +26,10 @@ import torch.distributed as dist
 from megazero.zero.buckets import InflightLimit
 from megazero.zero.collectives import Handle, all_gather_chunks
 from megazero.zero.fetch import UnitFetcher
-from megazero.zero.init import materialize_init_shard
+from megazero.zero.init import GatheredParameters, materialize_init_shard
 from megazero.zero.layout import FlatLayout
 from megazero.zero.master_partitions import MasterPartitions
+from megazero.zero.partition_checkpoint import PartitionCheckpoint
 from megazero.zero.shard_buckets import ShardedGradients
 from megazero.zero.unit_hooks import UnitHooks
 from megazero.zero.units import plan_units
@@ -101,10 +102,12 @@ class _Shard:
                 self.master_flat.copy_(self.shard)
 
 
-class ShardedState(MasterPartitions):
-    """ZeRO stage 3 over the optimizer's param groups (same interface as ReplicatedState)."""
+class ShardedState(MasterPartitions, PartitionCheckpoint):
+    """ZeRO stage 3 over the optimizer's param groups (a megazero.zero.protocol.DataParallelState;
+    checkpoints in the flat_partitions format, the parameters in it: the model file holds none)."""
 
     stage = 3
+    params_partitioned = True
 
     def __init__(self, model: torch.nn.Module, groups: list[list[torch.nn.Parameter]], group,
                  persistence_threshold: int, prefetch_numel: int = 50_000_000,
@@ -191,6 +194,10 @@ class ShardedState(MasterPartitions):
             for s in self.parts:
                 if not s.aliased:
                     s.master_flat.copy_(s.shard)
+
+    def gathered(self, params: list[torch.nn.Parameter]) -> GatheredParameters:
+        """The units holding `params` are whole inside it (zero.GatheredParameters)."""
+        return GatheredParameters(params)
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The tensors this rank holds, by kind (shards, and whatever is gathered right now)."""

@@ -1,0 +1,515 @@
+"""Optimizer offload (ZeRO-Offload / ZeRO-Infinity) for ZeRO stages 1-3.
+
+`OffloadedState` wraps a partitioned (stages 1-2) or sharded (stage 3) state and keeps its fp32
+master weights (where they are a copy of a 16-bit model; an fp32 model's masters are its own
+partitions and stay) and the optimizer's per-element states (Adam's exp_avg / exp_avg_sq, ...)
+off the model's memory:
+- device nvme: in swap files (megazero.zero.swap), one per sub-group. The optimizer steps sub-group
+  by sub-group (runs of whole master chunks of about `sub_group_size` elements): the next
+  sub-group is read while this one steps and the previous one is written back, through a ring of
+  `buffer_count` aligned host buffers and the asynchronous I/O op (megazero.ops.aio).
+- device cpu on a GPU: in (pinned) host memory; gradients are copied to the host sub-group by
+  sub-group and the 16-bit parameters copied back. On a CPU-only machine `device: cpu` is the
+  in-memory path itself (build_offload returns the state unchanged: nothing is copied twice).
+
+The step is the same arithmetic as the in-memory one, bit for bit: the same optimizer runs on the
+same master tensors with the same hyper-parameters, only fewer of them at a time (optimizers skip
+masters without a gradient; every per-tensor quantity, e.g. Lamb's trust ratio, sees whole
+tensors). `OffloadedOptimizer` is what the engine steps: it holds the real optimizer and hands
+step() to the state. Checkpoints hold exactly what the wrapped state writes (masters and
+optimizer states are made resident for the save or load), so they load with offload on or off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from megazero.optim.protocol import GradScaleTaker, takes_grad_scale, writes_copies
+from megazero.zero.swap import SwapDirectory, SwapFiles, new_run_id
+
+ALIGN_ELEMENTS = 1024  # 4 KiB of fp32: each kind's region of a sub-group buffer stays block-aligned
+_EMPTY = torch.empty(0)  # what a swapped-out master or state holds
+
+
+def _padded(numel: int) -> int:
+    return -(-numel // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
+
+
+class _SubGroup:
+    """A run of whole master chunks of one optimizer param group, stepped together."""
+
+    def __init__(self, index: int, entries: list[tuple[object, int]]):
+        self.index = index
+        self.name = f"optimizer{index:05d}"
+        self.parts = [part for part, _ in entries]
+        self.masters = [part.masters[j] for part, j in entries]
+        self.grads = [part.grad_views[j] for part, j in entries]
+        self.numels = [m.numel() for m in self.masters]  # kept: a swapped-out master is empty
+        self.offsets, total = [], 0
+        for numel in self.numels:
+            self.offsets.append(total)
+            total += numel
+        self.numel = total
+        self.padded = _padded(total)
+        self.kinds_saved = 0  # how many kinds (master, then state keys) its swap file holds
+
+    def views(self, buffer: torch.Tensor, kind: int) -> list[torch.Tensor]:
+        """Each master's slice of `buffer`'s region for kind number `kind`."""
+        base = kind * self.padded
+        return [buffer[base + o:base + o + n] for o, n in zip(self.offsets, self.numels)]
+
+
+def sub_groups(parts: list, sub_group_size: int) -> list[_SubGroup]:
+    """Cut the parts' masters (optimizer order) into sub-groups of at most `sub_group_size`
+    elements, never splitting a master chunk nor mixing param groups."""
+    out, current, filled, group = [], [], 0, None
+    for part in parts:
+        for j, master in enumerate(part.masters):
+            if current and (part.group_index != group or filled + master.numel() > sub_group_size):
+                out.append(_SubGroup(len(out), current))
+                current, filled = [], 0
+            current.append((part, j))
+            filled += master.numel()
+            group = part.group_index
+    if current:
+        out.append(_SubGroup(len(out), current))
+    return out
+
+
+def _aligned(numel: int, pin: bool) -> torch.Tensor:
+    from megazero.ops.aio import aligned_empty
+
+    buffer = aligned_empty((numel,), torch.float32)
+    return buffer.pin_memory() if pin and torch.cuda.is_available() else buffer
+
+
+class OffloadedState:
+    """A ZeRO stage 1-3 state whose masters and optimizer states live on NVMe (or host memory on a
+    GPU); the protocol of megazero.zero.protocol, delegated to the wrapped state, with the masters
+    made resident wherever the wrapped state reads them."""
+
+    def __init__(self, inner, device: str, nvme_path: str | None, sub_group_size: int, buffer_count: int,
+                 pin_memory: bool, aio_config: dict, group=None):
+        if device not in ("cpu", "nvme"):
+            raise ValueError(f"offload device must be 'cpu' or 'nvme', got {device!r}")
+        self.inner = inner
+        self.stage = inner.stage
+        self.device = device
+        self.pin = pin_memory
+        self.buffer_count = buffer_count
+        self.separate = not all(part.aliased for part in inner.parts)
+        on_gpu = any(m.device.type != "cpu" for part in inner.parts for m in part.masters)
+        if on_gpu and not self.separate:
+            raise ValueError("optimizer offload of an fp32 model on GPU is not implemented: use bf16 or fp16")
+        self.groups = sub_groups(inner.parts, sub_group_size)
+        self.kinds: list[str] = ["master"] if self.separate else []  # per-element tensors, in buffer order
+        self.optimizer: torch.optim.Optimizer | None = None  # set by OffloadedOptimizer
+        self.copies: dict[int, torch.Tensor] = {}
+        self._copies_by_optimizer = False
+        self._resident = 0
+        self._slots: list[torch.Tensor] = []
+        self.files: SwapFiles | None = None
+        if on_gpu:
+            self._masters_to_host()
+        if device == "nvme":
+            from megazero.ops.aio import AsyncIO
+
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            self.files = SwapFiles(SwapDirectory(nvme_path, _agreed_run_id(group), rank), AsyncIO(**aio_config))
+            self._swap_out_all(write=True)
+
+    # ---- placement -------------------------------------------------------------------------------
+    def _masters_to_host(self) -> None:
+        """GPU: the fp32 masters move to (pinned) host memory, where the CPU optimizer steps them."""
+        for part in self.inner.parts:
+            flat = torch.cat([m.detach().reshape(-1) for m in part.masters]).cpu()
+            flat = flat.pin_memory() if self.pin else flat
+            for master, view in zip(part.masters, part.layout.split_partition(flat)):
+                master.data = view
+            if hasattr(part, "master_flat"):  # stage 3 keeps the flat master beside its views
+                part.master_flat = flat
+
+    def _state_keys(self, sg: _SubGroup) -> list[str]:
+        """The optimizer's per-element state keys of `sg`'s masters (tensors as large as the master)."""
+        state = self.optimizer.state.get(sg.masters[0], {}) if self.optimizer is not None else {}
+        return [k for k, v in state.items() if torch.is_tensor(v) and v.dim() >= 1
+                and v.numel() == sg.numels[0]]
+
+    def _bind(self, sg: _SubGroup, buffer: torch.Tensor, kinds: int) -> None:
+        """Point the first `kinds` kinds of `sg` (master data, state tensors) into `buffer`."""
+        for k, name in enumerate(self.kinds[:kinds]):
+            for master, view in zip(sg.masters, sg.views(buffer, k)):
+                if name == "master":
+                    master.data = view
+                else:
+                    self.optimizer.state[master][name] = view
+
+    def _pack(self, sg: _SubGroup, buffer: torch.Tensor | None) -> torch.Tensor:
+        """A buffer holding every kind of `sg` now (what it has new, e.g. states the first step
+        made, copied in); `buffer` when it is large enough."""
+        for key in self._state_keys(sg):
+            if key not in self.kinds:
+                self.kinds.append(key)
+        need = len(self.kinds) * sg.padded
+        if buffer is None or buffer.numel() < need:
+            buffer = _aligned(need, self.pin)
+        for k, name in enumerate(self.kinds):
+            for master, view in zip(sg.masters, sg.views(buffer, k)):
+                source = master.data if name == "master" else self.optimizer.state[master][name]
+                if source.data_ptr() != view.data_ptr():
+                    view.copy_(source.reshape(-1))
+        return buffer
+
+    def _unbind(self, sg: _SubGroup) -> None:
+        # a new dict per master: a state_dict() taken while resident shares the old ones
+        states = [k for k in self.kinds if k != "master"]
+        for master in sg.masters:
+            if "master" in self.kinds:
+                master.data = _EMPTY
+            if states and master in self.optimizer.state:
+                self.optimizer.state[master] = {**self.optimizer.state[master], **dict.fromkeys(states, _EMPTY)}
+
+    def _release_flats(self) -> None:
+        for part in self.inner.parts:
+            if self.separate and hasattr(part, "master_flat"):
+                part.master_flat = _EMPTY
+
+    def _swap_out_all(self, write: bool, buffers: dict | None = None) -> None:
+        """Every sub-group to its file (`write`: its content changed; `buffers`: sub-group index ->
+        a buffer to reuse) and out of memory."""
+        pending = []
+        for sg in self.groups:
+            if write and (self.kinds or self._state_keys(sg)):
+                buffer = self._pack(sg, (buffers or {}).get(sg.index))
+                sg.kinds_saved = len(self.kinds)
+                pending.append((self.files.submit_write(sg.name, buffer[:sg.kinds_saved * sg.padded]), buffer))
+            self._unbind(sg)
+        self._release_flats()
+        for request, _ in pending:
+            self.files.wait(request)
+
+    @contextlib.contextmanager
+    def resident(self, dirty: bool = True):
+        """Every master and optimizer state in memory inside (for checkpoints and model loads);
+        written back on exit when `dirty`. Re-entrant; a no-op for device cpu."""
+        if self.files is None or self._resident:
+            self._resident += 1
+            try:
+                yield
+            finally:
+                self._resident -= 1
+            return
+        self._resident += 1
+        buffers = {}
+        try:
+            if self.separate:
+                for part in self.inner.parts:
+                    flat = torch.empty(part.layout.partition_numel, dtype=torch.float32)
+                    for master, view in zip(part.masters, part.layout.split_partition(flat)):
+                        master.data = view
+                    if hasattr(part, "master_flat"):
+                        part.master_flat = flat
+            for sg in self.groups:
+                if sg.kinds_saved:
+                    buffers[sg.index] = buffer = _aligned(sg.kinds_saved * sg.padded, self.pin)
+                    self.files.wait(self.files.submit_read(sg.name, buffer))
+                    for k, name in enumerate(self.kinds[:sg.kinds_saved]):
+                        for master, view in zip(sg.masters, sg.views(buffer, k)):
+                            if name == "master":
+                                master.data.copy_(view)
+                            else:
+                                self.optimizer.state[master][name] = view
+            yield
+        finally:
+            self._resident -= 1
+            self._swap_out_all(write=dirty, buffers=buffers)
+
+    # ---- the step --------------------------------------------------------------------------------
+    def set_copy_targets(self, copies: dict[int, torch.Tensor], by_optimizer: bool) -> None:
+        """{id(master): 16-bit tensor}; `by_optimizer`: the optimizer writes them in its step."""
+        self.copies = dict(copies)
+        self._copies_by_optimizer = by_optimizer
+
+    def _slot(self, index: int, numel: int) -> torch.Tensor:
+        while len(self._slots) <= index:
+            self._slots.append(torch.empty(0))
+        if self._slots[index].numel() < numel:
+            self._slots[index] = _aligned(numel, self.pin)
+        return self._slots[index]
+
+    def step(self, optimizer: torch.optim.Optimizer, grad_scale) -> None:
+        """optimizer.step() over every sub-group: read the next one while this one steps and the
+        previous one is written back (nvme), or in place (host memory)."""
+        n, k = len(self.groups), max(1, min(self.buffer_count, len(self.groups)))
+        size = len(self.kinds) * max((sg.padded for sg in self.groups), default=0)
+        reads: dict[int, int | None] = {}
+        writes: dict[int, int] = {}
+
+        def start_read(i: int) -> None:
+            if i in reads or i >= n or self.files is None:
+                return
+            if i - k in writes:  # its slot was the buffer of sub-group i - k
+                self.files.wait(writes.pop(i - k))
+            sg = self.groups[i]
+            buffer = self._slot(i % k, size)
+            reads[i] = (self.files.submit_read(sg.name, buffer[:sg.kinds_saved * sg.padded])
+                        if sg.kinds_saved else None)
+
+        for i, sg in enumerate(self.groups):
+            start_read(i)
+            if k > 1:
+                start_read(i + 1)  # overlaps this sub-group's step
+            if self.files is not None:
+                request = reads.pop(i)
+                if request is not None:
+                    self.files.wait(request)
+                self._bind(sg, self._slots[i % k], sg.kinds_saved)
+            self._step_sub_group(optimizer, sg, grad_scale)
+            if self.files is not None:
+                buffer = self._pack(sg, self._slots[i % k])
+                sg.kinds_saved = len(self.kinds)
+                if buffer is not self._slots[i % k]:  # the first step made new states: a larger buffer
+                    self.files.wait(self.files.submit_write(sg.name, buffer[:sg.kinds_saved * sg.padded]))
+                else:
+                    writes[i] = self.files.submit_write(sg.name, buffer[:sg.kinds_saved * sg.padded])
+                self._unbind(sg)
+        for request in writes.values():
+            self.files.wait(request)
+
+    def _step_sub_group(self, optimizer: torch.optim.Optimizer, sg: _SubGroup, grad_scale) -> None:
+        host_grads = [g if g.device.type == "cpu" else g.to("cpu", non_blocking=True) for g in sg.grads]
+        if any(g.device.type != "cpu" for g in sg.grads):
+            torch.cuda.synchronize()
+        for master, grad in zip(sg.masters, host_grads):
+            master.grad = grad
+        if grad_scale is not None or isinstance(optimizer, GradScaleTaker):
+            optimizer.grad_scale = grad_scale
+        try:
+            optimizer.step()
+        finally:
+            for master in sg.masters:
+                master.grad = None
+        if self.copies and not self._copies_by_optimizer:  # as the state's update_model casts
+            with torch.no_grad():
+                for master in sg.masters:
+                    self.copies[id(master)].copy_(master.detach().view_as(self.copies[id(master)]))
+
+    # ---- the protocol, delegated -----------------------------------------------------------------
+    @property
+    def checkpoint_format(self) -> str:
+        """The wrapped state's: checkpoints do not depend on where the states lived."""
+        return self.inner.checkpoint_format
+
+    @property
+    def state_partitioned(self) -> bool:
+        """As the wrapped state."""
+        return self.inner.state_partitioned
+
+    @property
+    def params_partitioned(self) -> bool:
+        """As the wrapped state."""
+        return self.inner.params_partitioned
+
+    @property
+    def bucket_count(self) -> int:
+        """As the wrapped state."""
+        return self.inner.bucket_count
+
+    def optimizer_groups(self, groups: list[dict]) -> list[dict]:
+        """The wrapped state's groups over its masters."""
+        return self.inner.optimizer_groups(groups)
+
+    def begin_micro_step(self, boundary: bool) -> None:
+        """As the wrapped state."""
+        self.inner.begin_micro_step(boundary)
+
+    def after_backward(self, boundary: bool) -> None:
+        """As the wrapped state."""
+        self.inner.after_backward(boundary)
+
+    def reduce_gradients(self) -> None:
+        """As the wrapped state."""
+        self.inner.reduce_gradients()
+
+    def grad_norm(self, counted=None, model_parallel_group=None) -> float:
+        """As the wrapped state (gradients stay where they were reduced)."""
+        return self.inner.grad_norm(counted, model_parallel_group)
+
+    def nonfinite_params(self) -> list[torch.nn.Parameter]:
+        """As the wrapped state."""
+        return self.inner.nonfinite_params()
+
+    def sync_grads(self, params: list[torch.nn.Parameter], group) -> None:
+        """As the wrapped state."""
+        self.inner.sync_grads(params, group)
+
+    def scale_gradients(self, factor: float) -> None:
+        """As the wrapped state."""
+        self.inner.scale_gradients(factor)
+
+    def attach_grads(self) -> None:
+        """Nothing: each sub-group's gradients are attached while it steps."""
+
+    def detach_grads(self) -> None:
+        """Nothing: each sub-group's gradients are dropped once it has stepped."""
+
+    def copy_targets(self) -> dict[int, torch.Tensor]:
+        """As the wrapped state."""
+        return self.inner.copy_targets()
+
+    def update_model(self, copies_written: bool = False) -> None:
+        """The wrapped state's update; the 16-bit copies were written sub-group by sub-group when
+        copy targets were set (else the masters are made resident for the cast)."""
+        if self.separate and not (copies_written or self.copies):
+            with self.resident(dirty=False):
+                self.inner.update_model(False)
+        else:
+            self.inner.update_model(True if self.separate else copies_written)
+
+    def reset_masters(self) -> None:
+        """Re-read the masters from the model (resident for the copy)."""
+        with self.resident():
+            self.inner.reset_masters()
+
+    def start_window(self) -> None:
+        """As the wrapped state."""
+        self.inner.start_window()
+
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The wrapped state's tensors (its swapped-out masters are empty) and the sub-group buffers."""
+        held = self.inner.memory_tensors()
+        held["optimizer"] = list(held["optimizer"]) + list(self._slots)
+        return held
+
+    def disk_bytes(self) -> int:
+        """Bytes of this rank's swap files."""
+        return self.files.disk_bytes() if self.files is not None else 0
+
+    def parameter_shapes(self) -> dict[int, torch.Size]:
+        """As the wrapped state."""
+        return self.inner.parameter_shapes()
+
+    def gathered(self, params: list[torch.nn.Parameter]):
+        """As the wrapped state."""
+        return self.inner.gathered(params)
+
+    def state_dict(self, optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict:
+        """The wrapped state's, with masters and optimizer states resident for it."""
+        with self.resident(dirty=False):
+            return self.inner.state_dict(optimizer, names)
+
+    def same_layout(self, state: dict, names: dict[int, str]) -> bool:
+        """As the wrapped state."""
+        return self.inner.same_layout(state, names)
+
+    def load_state_dict(self, state: dict, optimizer: torch.optim.Optimizer) -> None:
+        """The wrapped state's load, resident; written back to the swap files after."""
+        with self.resident():
+            self.inner.load_state_dict(state, optimizer)
+
+    def export_parameter_states(self, saved: list[dict], module: dict):
+        """The wrapped state's exporter (the files are its format)."""
+        return self.inner.export_parameter_states(saved, module)
+
+    def load_parameter_states(self, optimizer: torch.optim.Optimizer, weights: dict, states, param_groups) -> None:
+        """The wrapped state's re-cut load, resident; written back after."""
+        with self.resident():
+            self.inner.load_parameter_states(optimizer, weights, states, param_groups)
+
+    def close(self) -> None:
+        """Remove the swap files (also done at exit and when the state is garbage collected)."""
+        if self.files is not None:
+            self.files.close()
+
+
+def _agreed_run_id(group) -> str:
+    """One run id for the data-parallel group (its rank 0's)."""
+    run_id = [new_run_id()]
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        src = dist.get_global_rank(group, 0) if group is not None else 0
+        dist.broadcast_object_list(run_id, src=src, group=group)
+    return run_id[0]
+
+
+class OffloadedOptimizer(torch.optim.Optimizer):
+    """The optimizer the engine steps when the optimizer is offloaded: `inner` (the real one, over
+    the masters) stepped sub-group by sub-group by `state`. param_groups, state and state_dict()
+    are `inner`'s (state_dict with everything resident)."""
+
+    def __init__(self, inner: torch.optim.Optimizer, state: OffloadedState):
+        # no Optimizer.__init__: the groups and states are inner's own
+        self.inner = inner
+        self.offload = state
+        state.optimizer = inner
+        self.defaults = inner.defaults
+        self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
+        self._scale_as_tensor = takes_grad_scale(inner) and not isinstance(inner, GradScaleTaker)
+        if takes_grad_scale(inner):  # declared only then: the engine asks by the attribute
+            self.grad_scale = None
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """inner's groups (a load_state_dict replaces them there)."""
+        return self.inner.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict]) -> None:
+        self.inner.param_groups = groups
+
+    @property
+    def state(self):
+        """inner's per-master state (swapped-out tensors are empty)."""
+        return self.inner.state
+
+    def set_copy_targets(self, copies: dict[int, torch.Tensor]) -> None:
+        """Hand the 16-bit copies to inner when it writes them, else write them after each sub-group."""
+        # the CPU op writes host tensors only: on a GPU the copies go back after each sub-group
+        by_inner = writes_copies(self.inner) and all(c.device.type == "cpu" for c in copies.values())
+        if by_inner:
+            self.inner.set_copy_targets(copies)
+        self.offload.set_copy_targets(copies, by_optimizer=by_inner)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One update of every master, sub-group by sub-group."""
+        loss = closure() if closure is not None else None
+        scale = getattr(self, "grad_scale", None)
+        if scale is not None and self._scale_as_tensor:  # torch's fused Adam wants a tensor
+            scale = torch.full((), float(scale), dtype=torch.float32)
+        self.offload.step(self.inner, scale)
+        if hasattr(self.inner, "grad_scale"):
+            self.inner.grad_scale = None
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """inner's."""
+        self.inner.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict:
+        """inner's, with every state resident."""
+        with self.offload.resident(dirty=False):
+            return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """inner's, resident; written back to the swap files after."""
+        with self.offload.resident():
+            self.inner.load_state_dict(state_dict)
+
+
+def build_offload(config, state, group=None):
+    """(state, wrap_optimizer) for an EngineConfig: `state` wrapped for
+    `zero_optimization.offload_optimizer`, and the function that turns the optimizer built over its
+    masters into the one the engine steps. Unchanged (and the identity) when nothing is offloaded:
+    device none, or cpu without a GPU (the in-memory path)."""
+    zero = config.zero_optimization
+    offload = zero.offload_optimizer
+    on_gpu = any(m.device.type != "cpu" for part in state.parts for m in part.masters) if offload.device != "none" \
+        else False
+    if offload.device == "none" or (offload.device == "cpu" and not on_gpu):
+        return state, lambda optimizer: optimizer
+    offloaded = OffloadedState(state, offload.device, offload.nvme_path, zero.sub_group_size, offload.buffer_count,
+                               offload.pin_memory, config.aio.model_dump(), group)
+    return offloaded, lambda optimizer: OffloadedOptimizer(optimizer, offloaded)
