@@ -61,6 +61,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     from megazero.optim import build_optimizer, build_scheduler
     from megazero.zero import build_data_parallel_state
     from megazero.zero.offload import build_offload
+    from megazero.zero.param_offload import attach_param_offload
 
     if model is None:
         raise ValueError("initialize() needs a model")
@@ -86,6 +87,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     tied = tied_parameters(model)
     dp_state = build_data_parallel_state(engine_config.zero_optimization, model, [g["params"] for g in groups],
                                          dp_group, isolate=tied)
+    dp_state = attach_param_offload(engine_config, dp_state, dp_group)  # before the masters are handed out
     dp_state, wrap_optimizer = build_offload(engine_config, dp_state, dp_group)
     optimizer_groups = dp_state.optimizer_groups(groups)
     if optimizer is None:
