@@ -42,26 +42,33 @@ def _resident(t: torch.Tensor) -> bool:
 class ParamSwapper:
     """The swap files of one rank's partitioned parameter shards, and which of them are in memory."""
 
-    def __init__(self, shards: list, files: SwapFiles, max_in_cpu: int):
+    def __init__(self, files: SwapFiles, max_in_cpu: int):
         self.files = files
         self.max_in_cpu = max_in_cpu
-        self.shards = list(shards)
+        self.shards: list = []
         self._cache: OrderedDict[int, object] = OrderedDict()  # id(shard) -> shard, in memory, LRU first
         self._reads: dict[int, int] = {}  # id(shard) -> read request in flight
         self.resident_numel = 0  # partition elements in memory now
         self.peak_resident_numel = 0
+        self.setup_peak_numel = 0  # the peak while the shards were being added
         self.reads = 0
-        for i, shard in enumerate(self.shards):
-            # weakly: the model (whose parameters reach the shards) may outlive the engine's state;
-            # the swap files go with the state
-            shard.swap, shard.swap_name = weakref.proxy(self), f"param{i:05d}"
-            self._cache[id(shard)] = shard
-            self.resident_numel += shard.shard.numel()
-        for shard in self.shards:
-            self.files.submit_write(shard.swap_name, shard.shard)
-        self.files.wait()
+
+    def add(self, shard) -> None:
+        """Move a new shard's partition to its swap file (as the state builds it: one unit's
+        partitions in memory at a time)."""
+        # weakly: the model (whose parameters reach the shards) may outlive the engine's state;
+        # the swap files go with the state
+        shard.swap, shard.swap_name = weakref.proxy(self), f"param{len(self.shards):05d}"
+        self.shards.append(shard)
+        self.files.wait(self.files.submit_write(shard.swap_name, shard.shard))
+        self._cache[id(shard)] = shard
+        self.resident_numel += shard.shard.numel()
+        self.setup_peak_numel = max(self.setup_peak_numel, self.resident_numel)
         self._evict(limit=0)  # nothing cached at the start: the partitions live in the files
-        self.peak_resident_numel = self.resident_numel  # measured from here: what training holds
+
+    def reset_peak(self) -> None:
+        """Measure peak_resident_numel from what is in memory now."""
+        self.peak_resident_numel = self.resident_numel
 
     # ---- residency -------------------------------------------------------------------------------
     def _allocate(self, shard) -> None:
@@ -132,27 +139,22 @@ def is_resident(shard) -> bool:
     return _resident(shard.shard)
 
 
-def attach_param_offload(config, state, group=None):
-    """Put stage 3's partitioned parameter shards in swap files for `zero_optimization.offload_param`
-    device nvme (`config`: the EngineConfig); returns `state`. device none, or cpu on a CPU-only
-    machine (the in-memory path), change nothing."""
+def make_param_swapper(config, model: torch.nn.Module, group=None) -> ParamSwapper | None:
+    """The ParamSwapper for `zero_optimization.offload_param` of an EngineConfig: one for device
+    nvme; None for device none, or cpu with a model on the CPU (the in-memory path itself)."""
     offload = config.zero_optimization.offload_param
-    if offload.device == "none" or getattr(state, "stage", None) != 3:
-        return state
-    on_gpu = any(s.shard.device.type != "cpu" for s in state.parts)
-    if offload.device == "cpu" and not on_gpu:
-        return state
-    if on_gpu:
+    if offload.device == "none" or config.zero_optimization.stage != 3:
+        return None
+    devices = {p.device.type for p in model.parameters()}
+    if devices - {"cpu"}:
         raise ValueError(f"zero_optimization.offload_param.device={offload.device!r} with parameters on "
-                         f"{state.parts[0].shard.device} is not implemented (CPU only)")
+                         f"{sorted(devices)} is not implemented (parameter offload is for CPU training here)")
+    if offload.device == "cpu":
+        return None
     from megazero.ops.aio import AsyncIO
     from megazero.zero.offload import _agreed_run_id
 
-    shards = [s for s in state.parts if not s.persistent]
-    for s in state.parts:  # all of them: offload_optimizer treats a state's masters all alike
-        s.separate_master()
     rank = dist.get_rank() if dist.is_initialized() else 0
     files = SwapFiles(SwapDirectory(offload.nvme_path, _agreed_run_id(group), rank),
                       AsyncIO(**config.aio.model_dump()))
-    state.param_swap = ParamSwapper(shards, files, offload.max_in_cpu)
-    return state
+    return ParamSwapper(files, offload.max_in_cpu)

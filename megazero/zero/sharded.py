@@ -145,11 +145,13 @@ class ShardedState(MasterPartitions, PartitionCheckpoint):
 
     def __init__(self, model: torch.nn.Module, groups: list[list[torch.nn.Parameter]], group,
                  persistence_threshold: int, prefetch_numel: int = 50_000_000,
-                 bucket_numel: int = 500_000_000, overlap: bool = True, granularity_threshold: int = 0):
+                 bucket_numel: int = 500_000_000, overlap: bool = True, granularity_threshold: int = 0,
+                 param_swap=None):
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.bucket_numel = bucket_numel
-        self.param_swap = None  # megazero.zero.param_offload.ParamSwapper, set by attach_param_offload
+        # param offload (megazero.zero.param_offload): partitions go to swap files as each unit is built
+        self.param_swap = param_swap
         self.fetcher = UnitFetcher(prefetch_numel)
         group_of = {id(p): i for i, g in enumerate(groups) for p in g}
         for plan in plan_units(model, granularity_threshold):
@@ -167,6 +169,11 @@ class ShardedState(MasterPartitions, PartitionCheckpoint):
                         shards.append(_Shard(these, gi, group, persistent, bucket_numel))
             if not shards:
                 continue  # parameters outside the optimizer's groups (frozen): left as they are
+            if param_swap is not None:
+                for shard in shards:  # all: offload_optimizer treats a state's masters all alike
+                    shard.separate_master()
+                    if not shard.persistent:
+                        param_swap.add(shard)
             unit = self.fetcher.add(plan.module, shards)
             for shard in shards:
                 for p in shard.layout.params:
@@ -182,6 +189,8 @@ class ShardedState(MasterPartitions, PartitionCheckpoint):
                                       overlap, device, InflightLimit())
         # after the gradient hooks: a unit is released once its gradients are copied
         self.hooks = UnitHooks(model, self.units, self.fetcher)
+        if param_swap is not None:
+            param_swap.reset_peak()
 
     @property
     def prefetches(self) -> int:
