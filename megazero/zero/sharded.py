@@ -16,6 +16,9 @@ step has shown the order the units run in, the next unit's gather is started whi
 computes (forward: the next unit; backward: the previous one), for units up to
 `stage3_prefetch_bucket_size` elements. After the optimizer step only the shards change: the next
 forward gathers anew (persistent shards are all-gathered right away, coalesced: `megazero.zero.persistent`).
+With parameter offload (`megazero.zero.param_offload`) the non-persistent partitions live in swap
+files: start_gather() reads the partition back before gathering it, and it is dropped once
+gathered (within max_in_cpu).
 """
 
 from __future__ import annotations
