@@ -1,0 +1,177 @@
+"""The cost of optimizer offload to NVMe: step time of megazero ZeRO-1/2/3 with
+`offload_optimizer.device: nvme` next to the same stage in memory, on a GPT that fits in memory,
+side by side in one run, and the aio op's bandwidth during it next to `dd` with direct I/O on the
+same file system.
+
+One process (one gloo rank, the machine's threads), bf16, AdamW (megazero's CPU op), the same
+data and initial weights for every configuration. All six engines live in the process and take
+turns (alternating trials of a few steps), so machine noise hits all alike; medians of step time
+and of per-trial ratios offloaded / in-memory (target: <= 1.3). During the offloaded runs the swap
+files' bytes read and written per step, over the time of the optimizer's sub-group pass, give the
+bandwidth the run saw (reads and writes overlap each other and the step); after the run every
+sub-group file is read and written once more, alone, for the op's own read and write GB/s, next to
+`dd` (4 MiB blocks, oflag/iflag=direct) on the same directory. Writes benchmarks/results/offload.json.
+
+    python benchmarks/bench_offload.py --nvme-path /local_nvme
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import megazero  # noqa: E402
+from megazero.data import GPTDataset, IndexedDataset  # noqa: E402
+from models.gpt import GPT, GPTConfig  # noqa: E402
+
+STAGES = (1, 2, 3)
+
+
+def _engine(args, stage: int, offload: bool, prefix: str):
+    megazero.set_seed(0)
+    model = GPT(GPTConfig(vocab_size=args.vocab, seq_length=args.seq, num_layers=args.layers, hidden_size=args.hidden,
+                          num_attention_heads=args.heads, dropout=0.0))
+    zero = {"stage": stage, "reduce_bucket_size": args.bucket, "sub_group_size": args.sub_group_size}
+    if offload:
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": args.nvme_path}
+    config = {"train_batch_size": args.batch, "bf16": {"enabled": True}, "gradient_clipping": 1.0,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": zero,
+              "steps_per_print": 10**9}
+    dataset = GPTDataset(IndexedDataset(prefix), args.seq, seed=0)
+    engine, _, loader, _ = megazero.initialize(model=model, training_data=dataset, config=config)
+    return engine, iter(loader)
+
+
+def _timed_offload_pass(engine) -> dict:
+    """Accumulate the wall time of the offloaded optimizer pass (the sub-group loop)."""
+    clock = {"seconds": 0.0}
+    inner_step = engine.dp.step
+
+    def step(*a, **k):
+        start = time.perf_counter()
+        inner_step(*a, **k)
+        clock["seconds"] += time.perf_counter() - start
+
+    engine.dp.step = step
+    return clock
+
+
+def _dd(path: str, megabytes: int) -> dict:
+    """dd's direct-I/O write and read GB/s of `megabytes` MiB in `path` (None where it fails)."""
+    target = os.path.join(path, "megazero-bench-dd")
+    out = {}
+    for name, cmd in (("write", ["dd", "if=/dev/zero", f"of={target}", "bs=4M", f"count={megabytes // 4}",
+                                 "oflag=direct", "conv=fsync"]),
+                      ("read", ["dd", f"if={target}", "of=/dev/null", "bs=4M", "iflag=direct"])):
+        start = time.perf_counter()
+        done = subprocess.run(cmd, capture_output=True)
+        seconds = time.perf_counter() - start
+        out[name] = megabytes * 2**20 / seconds / 1e9 if done.returncode == 0 else None
+    if os.path.exists(target):
+        os.remove(target)
+    return out
+
+
+def _op_alone(engine) -> dict:
+    """Read, then write, every sub-group file once with the op, nothing else running: GB/s."""
+    state = engine.dp
+    files, nbytes = state.files, 0
+    buffers = []
+    start = time.perf_counter()
+    for sg in state.groups:
+        from megazero.ops.aio import aligned_empty
+
+        buffer = aligned_empty((sg.kinds_saved * sg.padded,), torch.float32)
+        buffers.append((sg, buffer, files.submit_read(sg.name, buffer)))
+        nbytes += buffer.numel() * 4
+    files.wait()
+    read = nbytes / (time.perf_counter() - start) / 1e9
+    start = time.perf_counter()
+    for sg, buffer, _ in buffers:
+        files.submit_write(sg.name, buffer)
+    files.wait()
+    os.sync()
+    write = nbytes / (time.perf_counter() - start) / 1e9
+    return {"read": read, "write": write, "bytes": nbytes}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nvme-path", default=tempfile.gettempdir())
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--bucket", type=int, default=5_000_000)
+    parser.add_argument("--sub-group-size", type=int, default=10_000_000)
+    parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=2, help="steps per trial")
+    parser.add_argument("--prefix", default=os.path.join(REPO, "data", "gpt2", "shakespeare_train_text_document"))
+    parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "offload.json"))
+    args = parser.parse_args(argv)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29561"), RANK="0",
+                      WORLD_SIZE="1", LOCAL_RANK="0")
+    dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(minutes=30))
+    names = [(s, o) for s in STAGES for o in (False, True)]
+    engines = {n: _engine(args, *n, args.prefix) for n in names}
+    clocks = {n: _timed_offload_pass(engines[n][0]) for n in names if n[1]}
+    for engine, data in engines.values():  # warm-up: the first step makes the optimizer states
+        engine.train_batch(data)
+    for n in clocks:
+        clocks[n]["seconds"] = 0.0
+        engines[n][0].dp.files.bytes_read = engines[n][0].dp.files.bytes_written = 0
+    times = {n: [] for n in names}
+    for _ in range(args.trials):
+        for n in names:
+            engine, data = engines[n]
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                engine.train_batch(data)
+            times[n].append((time.perf_counter() - start) / args.steps)
+    psi = sum(s.numel() for s in engines[names[0]][0].dp.parameter_shapes().values())
+    rows = []
+    for stage in STAGES:
+        plain, off = times[(stage, False)], times[(stage, True)]
+        files, clock = engines[(stage, True)][0].dp.files, clocks[(stage, True)]
+        rows.append({"stage": stage, "in_memory_s": statistics.median(plain), "offloaded_s": statistics.median(off),
+                     "ratio": statistics.median([o / p for o, p in zip(off, plain)]),
+                     "run_read_GBps": files.bytes_read / clock["seconds"] / 1e9,
+                     "run_write_GBps": files.bytes_written / clock["seconds"] / 1e9,
+                     "swap_bytes": files.disk_bytes()})
+    alone = _op_alone(engines[(3, True)][0])
+    dd = _dd(args.nvme_path, max(64, alone["bytes"] // 2**20))
+    print(f"GPT {psi / 1e6:.1f} M parameters, bf16, AdamW; swap files in {args.nvme_path} "
+          f"(op backend {engines[(3, True)][0].dp.files.aio.backend}); sub_group_size {args.sub_group_size:,}")
+    print(f"{'stage':<7}{'in memory s/step':>18}{'nvme offload s/step':>21}{'ratio':>8}"
+          f"{'read GB/s in run':>18}{'write GB/s in run':>19}")
+    for r in rows:
+        print(f"{r['stage']:<7}{r['in_memory_s']:>18.3f}{r['offloaded_s']:>21.3f}{r['ratio']:>8.2f}"
+              f"{r['run_read_GBps']:>18.2f}{r['run_write_GBps']:>19.2f}")
+    print(f"op alone on the swap files: read {alone['read']:.2f} GB/s, write {alone['write']:.2f} GB/s; "
+          f"dd direct I/O: read {dd['read'] or float('nan'):.2f} GB/s, write {dd['write'] or float('nan'):.2f} GB/s")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"num_params": psi, "rows": rows, "op_alone": alone, "dd": dd, "args": vars(args)}, f, indent=2)
+    for engine, _ in engines.values():
+        if hasattr(engine.dp, "close"):
+            engine.dp.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
