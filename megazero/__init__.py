@@ -61,6 +61,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     from megazero.optim import build_optimizer, build_scheduler
     from megazero.zero import build_data_parallel_state
     from megazero.zero.offload import build_offload
+    from megazero.zero.param_offload import make_param_swapper
 
     if model is None:
         raise ValueError("initialize() needs a model")
@@ -84,8 +85,9 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         model = model.to(engine_config.compute_dtype)
     groups = _param_groups(optimizer, model_parameters, model, engine_config)
     tied = tied_parameters(model)
+    param_swap = make_param_swapper(engine_config, model, dp_group)  # stage 3's parameter offload
     dp_state = build_data_parallel_state(engine_config.zero_optimization, model, [g["params"] for g in groups],
-                                         dp_group, isolate=tied)
+                                         dp_group, isolate=tied, param_swap=param_swap)
     dp_state, wrap_optimizer = build_offload(engine_config, dp_state, dp_group)
     optimizer_groups = dp_state.optimizer_groups(groups)
     if optimizer is None:

@@ -95,14 +95,19 @@ class OffloadOptimizerConfig(Section):
 
 class OffloadParamConfig(Section):
     """`zero_optimization.offload_param` (ZeRO-Infinity, stage 3 only): where the partitioned 16-bit
-    parameters live between uses. Not implemented yet: any device but none is an error."""
+    parameters live between uses (megazero.zero.param_offload)."""
 
-    device: OffloadDevice = Field("none", description="none (cpu and nvme are not implemented yet)")
-    nvme_path: Str | None = Field(None, description="directory for the parameter swap files (device nvme)")
-    pin_memory: Bool = Field(False, description="page-lock the host buffers (with CUDA only)")
-    buffer_count: Int = Field(5, ge=1, description="parameter buffers in the pool (nvme)")
-    buffer_size: Int = Field(100_000_000, ge=1, description="elements per parameter buffer (nvme)")
-    max_in_cpu: Int = Field(1_000_000_000, ge=0, description="parameter elements kept in host memory (nvme)")
+    device: OffloadDevice = Field("none", description="none; cpu: host memory (on a CPU-only machine the in-memory "
+                                                      "path itself); nvme: each rank's partitions in swap files, "
+                                                      "read back ahead of use")
+    nvme_path: Str | None = Field(None, description="directory for the parameter swap files (device nvme; "
+                                                    "required): <nvme_path>/megazero-swap/<run id>/rank<r>/")
+    pin_memory: Bool = Field(False, description="page-lock the host buffers (with CUDA only; no effect on CPU)")
+    buffer_count: Int = Field(5, ge=1, description="accepted for DeepSpeed; partitions are read into their own "
+                                                   "memory, not a buffer pool (max_in_cpu bounds what stays)")
+    buffer_size: Int = Field(100_000_000, ge=1, description="accepted for DeepSpeed (see buffer_count)")
+    max_in_cpu: Int = Field(1_000_000_000, ge=0, description="partition elements kept cached in host memory "
+                                                             "after use (nvme; least recently used dropped first)")
 
 
 class ZeroConfig(Section):
@@ -156,8 +161,9 @@ class ZeroConfig(Section):
             if self.stage != 3:
                 raise config_error(f"'{{path}}'={self.offload_param.device!r} needs 'zero_optimization.stage' 3, "
                                    f"got {self.stage} (as in DeepSpeed)", "offload_param", "device")
-            raise config_error(f"'{{path}}'={self.offload_param.device!r} is not implemented yet; use 'none'",
-                               "offload_param", "device")
+            if self.offload_param.device == "nvme" and not self.offload_param.nvme_path:
+                raise config_error("'{where}device'='nvme' needs '{path}' (a directory for the swap files)",
+                                   "offload_param", "nvme_path")
         return self
 
 

@@ -13,18 +13,19 @@ from megazero.zero.sharded import ShardedState
 
 
 def build_data_parallel_state(config: ZeroConfig, model: torch.nn.Module, groups: list[list[torch.nn.Parameter]],
-                              dp_group, isolate: list[torch.nn.Parameter] = ()) -> DataParallelState:
+                              dp_group, isolate: list[torch.nn.Parameter] = (), param_swap=None) -> DataParallelState:
     """The state object (a megazero.zero.protocol.DataParallelState) for `config.stage` over the
     optimizer's param groups (model parameters).
 
     `isolate`: parameters (tied weights) whose reduced gradients are later summed with another
-    stage's copy; stages 1-2 give each its own layout so the partitions line up."""
+    stage's copy; stages 1-2 give each its own layout so the partitions line up. `param_swap`: stage
+    3's parameter offload (megazero.zero.param_offload.make_param_swapper)."""
     if config.stage == 0:
         return ReplicatedState(groups, dp_group, config.reduce_bucket_size, config.overlap_comm)
     if config.stage == 3:
         return ShardedState(model, groups, dp_group, config.stage3_param_persistence_threshold,
                             config.stage3_prefetch_bucket_size, config.reduce_bucket_size, config.overlap_comm,
-                            config.stage3_module_granularity_threshold)
+                            config.stage3_module_granularity_threshold, param_swap)
     return PartitionedState(groups, dp_group, config.reduce_bucket_size, config.overlap_comm, config.stage, isolate)
 
 

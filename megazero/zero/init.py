@@ -13,11 +13,19 @@ GPUs), so a model built on the CPU is partitioned straight onto its GPU; else (g
 parameter was built. The emptied parameters sit on that device too, so the model reports the
 device it will train on. Moving the model afterwards (`model.cuda()`, `.to(dtype)`) moves only the
 empty parameters; each chunk follows its parameter when the stage-3 engine makes it whole again.
+
+`Init(remote_device="nvme", config_dict_or_path=...)` (or a config whose
+`zero_optimization.offload_param.device` is nvme) writes each chunk to a swap file under the
+config's `offload_param.nvme_path` instead of keeping it (megazero.zero.swap): no rank holds more
+than the subtree being built. The engine reads each chunk back as it builds that unit, and with
+parameter offload on moves the unit's partitions to its own swap files before the next unit
+(megazero.zero.param_offload); Init's files go once every chunk has been read.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 
 import torch
 import torch.distributed as dist
@@ -51,18 +59,69 @@ def partition_device(backend: str, device: torch.device | str | None = None, loc
     return training_device(local_rank, device_count)
 
 
-def _shard_param(p: torch.nn.Parameter, group, device: torch.device | None = None) -> None:
+class _InitSwap:
+    """Swap files holding Init's chunks (remote_device nvme) until the engine reads them back; the
+    directory is removed once nothing refers to this object (every chunk read) or at exit."""
+
+    def __init__(self, nvme_path: str, group, aio: dict):
+        from megazero.ops.aio import AsyncIO
+        from megazero.zero.offload import _agreed_run_id
+        from megazero.zero.swap import SwapDirectory, SwapFiles
+
+        self.files = SwapFiles(SwapDirectory(nvme_path, _agreed_run_id(group), dist.get_rank()), AsyncIO(**aio))
+        self.count = 0
+
+    def write(self, chunk: torch.Tensor) -> str:
+        """Write `chunk` to a new file; returns its name."""
+        name = f"init{self.count:07d}"
+        self.count += 1
+        self.files.wait(self.files.submit_write(name, chunk))
+        return name
+
+    def read(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """The chunk written as `name`."""
+        chunk = torch.empty(numel, dtype=dtype)
+        self.files.wait(self.files.submit_read(name, chunk))
+        return chunk
+
+
+def _remote_config(remote_device: str | None, config) -> tuple[str | None, str | None, dict]:
+    """(remote device, nvme_path, aio settings) from Init's arguments and a DeepSpeed config (dict or
+    JSON file path)."""
+    if isinstance(config, str):
+        with open(config) as f:
+            config = json.load(f)
+    config = config or {}
+    offload = (config.get("zero_optimization") or {}).get("offload_param") or {}
+    device = remote_device or offload.get("device")
+    if device in (None, "none", "cpu"):
+        return None, None, {}
+    if device != "nvme":
+        raise ValueError(f"zero.Init: remote_device must be 'cpu', 'nvme' or None, got {device!r}")
+    path = offload.get("nvme_path")
+    if not path:
+        raise ValueError("zero.Init(remote_device='nvme') needs 'zero_optimization.offload_param.nvme_path' in "
+                         "config_dict_or_path (a directory for the swap files)")
+    return device, path, dict(config.get("aio") or {})
+
+
+def _shard_param(p: torch.nn.Parameter, group, device: torch.device | None = None,
+                 swap: _InitSwap | None = None) -> None:
     """Keep this rank's chunk of `p` (padded to a multiple of the world size) on `device` (None:
-    p's own); p becomes an empty tensor there."""
-    if hasattr(p, "_megazero_init_chunk"):
+    p's own), or in a swap file (`swap`); p becomes an empty tensor there."""
+    if hasattr(p, "_megazero_init_chunk") or hasattr(p, "_megazero_init_swap"):
         return
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     device = p.device if device is None else device
     chunk = -(-p.numel() // world)
     # only this rank's slice is copied: no padded copy of the whole parameter, even for a moment
     mine = p.detach().reshape(-1)[rank * chunk:(rank + 1) * chunk]
-    p._megazero_init_chunk = torch.zeros(chunk, dtype=p.dtype, device=device)
-    p._megazero_init_chunk[:mine.numel()] = mine
+    kept = torch.zeros(chunk, dtype=p.dtype, device=device)
+    kept[:mine.numel()] = mine
+    if swap is not None:
+        p._megazero_init_swap = (swap, swap.write(kept), chunk, p.dtype)
+    else:
+        p._megazero_init_chunk = kept
     p._megazero_init_shape = p.shape
     p._megazero_init_group = group
     p.data = torch.empty(0, dtype=p.dtype, device=device)
@@ -72,6 +131,11 @@ def materialize_init_shard(p: torch.nn.Parameter, group) -> None:
     """Make a parameter partitioned by Init whole again (all-gather its chunks) on the device and in
     the dtype the (empty) parameter has now: Init's, or wherever the model was moved since."""
     chunk = getattr(p, "_megazero_init_chunk", None)
+    swapped = getattr(p, "_megazero_init_swap", None)
+    if swapped is not None:
+        swap, name, numel, dtype = swapped
+        chunk = swap.read(name, numel, dtype)
+        del p._megazero_init_swap
     if chunk is None:
         return
     shape = p._megazero_init_shape
@@ -85,15 +149,22 @@ def materialize_init_shard(p: torch.nn.Parameter, group) -> None:
     flat.view(world, -1)[dist.get_rank(group)].copy_(chunk)
     all_gather_chunks(flat, group).wait()
     p.data = flat[:shape.numel()].view(shape).to(p.dtype)
-    del p._megazero_init_chunk, p._megazero_init_shape, p._megazero_init_group
+    if hasattr(p, "_megazero_init_chunk"):
+        del p._megazero_init_chunk
+    del p._megazero_init_shape, p._megazero_init_group
 
 
 class Init:
     """Context manager: modules built inside are partitioned over `data_parallel_group` as they are
-    built, each rank's chunks on `device` (default: see partition_device; `self.device` once entered)."""
+    built, each rank's chunks on `device` (default: see partition_device; `self.device` once entered),
+    or with `remote_device` 'nvme' (or `config_dict_or_path` saying offload_param nvme) in swap files
+    under the config's offload_param.nvme_path."""
 
-    def __init__(self, data_parallel_group=None, enabled: bool = True, device: torch.device | str | None = None):
+    def __init__(self, data_parallel_group=None, enabled: bool = True, device: torch.device | str | None = None,
+                 remote_device: str | None = None, config_dict_or_path=None):
         self.group = data_parallel_group
+        self.remote_device, self._nvme_path, self._aio = _remote_config(remote_device, config_dict_or_path)
+        self.swap: _InitSwap | None = None
         self.enabled = enabled
         self.requested_device = device
         self.device: torch.device | None = None
@@ -106,6 +177,8 @@ class Init:
         if not dist.is_initialized():
             raise RuntimeError("zero.Init needs torch.distributed initialised (megazero.init_distributed())")
         self.device = partition_device(dist.get_backend(self.group), self.requested_device)
+        if self.remote_device == "nvme":
+            self.swap = _InitSwap(self._nvme_path, self.group, self._aio)
         for cls in _all_subclasses(torch.nn.Module):
             if "__init__" in cls.__dict__:
                 original = cls.__dict__["__init__"]
@@ -125,7 +198,7 @@ class Init:
             if depth == 0:  # the most-derived __init__ is done: partition the children's subtrees
                 for child in module.children():
                     for p in child.parameters():
-                        _shard_param(p, self.group, self.device)
+                        _shard_param(p, self.group, self.device, self.swap)
                 self._built.append(module)
         return init
 
@@ -136,8 +209,9 @@ class Init:
         if exc[0] is None:
             for module in self._built:  # the outermost modules' own parameters
                 for p in module.parameters():
-                    _shard_param(p, self.group, self.device)
+                    _shard_param(p, self.group, self.device, self.swap)
         self._built.clear()
+        self.swap = None  # the parameters keep it (their files) until the engine has read every chunk
 
 
 class GatheredParameters:

@@ -15,7 +15,10 @@ under `stage3_param_persistence_threshold` elements stay gathered, as in DeepSpe
 step has shown the order the units run in, the next unit's gather is started while the current one
 computes (forward: the next unit; backward: the previous one), for units up to
 `stage3_prefetch_bucket_size` elements. After the optimizer step only the shards change: the next
-forward gathers anew (persistent shards are all-gathered right away).
+forward gathers anew (persistent shards are all-gathered right away, coalesced: `megazero.zero.persistent`).
+With parameter offload (`megazero.zero.param_offload`) the non-persistent partitions live in swap
+files: start_gather() reads the partition back before gathering it, and it is dropped once
+gathered (within max_in_cpu).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from megazero.zero.init import GatheredParameters, materialize_init_shard
 from megazero.zero.layout import FlatLayout
 from megazero.zero.master_partitions import MasterPartitions
 from megazero.zero.partition_checkpoint import PartitionCheckpoint
+from megazero.zero.persistent import gather_persistent
 from megazero.zero.shard_buckets import ShardedGradients
 from megazero.zero.unit_hooks import UnitHooks
 from megazero.zero.units import plan_units
@@ -65,25 +69,54 @@ class _Shard:
         self.grad_partition = torch.zeros(self.layout.partition_numel, dtype=torch.float32, device=self.device)
         self.grad_views = self.layout.split_partition(self.grad_partition)
         self.full: torch.Tensor | None = None
-        self._point_params(full)
+        self.swap = None  # a ParamSwapper when the partition lives in a swap file (param offload)
+        self.point_params(full)
         if not persistent:
             self.release()
 
-    def _point_params(self, full: torch.Tensor) -> None:
+    def point_params(self, full: torch.Tensor) -> None:
+        """Make the parameters views of `full` (a whole flat buffer of the layout)."""
         self.full = full
         for p in self.layout.params:
             offset = self.layout.offsets[p]
             p.data = full[offset:offset + self.layout.numels[p]].view(self.layout.shapes[p])
 
-    def start_gather(self) -> Handle:
-        """All-gather the chunks into a new full buffer (one collective per bucket); the parameters
-        point into it once waited."""
-        full = torch.empty(self.layout.numel, dtype=self.dtype, device=self.device)
+    def separate_master(self) -> None:
+        """Give an fp32 shard a master of its own (param offload: the partition leaves memory, the
+        master the optimizer steps must not)."""
+        if self.aliased:
+            self.aliased = False
+            self.master_flat = self.shard.clone()
+            self.masters = [torch.nn.Parameter(v) for v in self.layout.split_partition(self.master_flat)]
+
+    def _copy_own(self, full: torch.Tensor) -> None:
         for chunk, own in zip(self.layout.own_chunks(full, self.rank), self.shard_views):
             chunk.copy_(own)
+
+    def _gathered(self, full: torch.Tensor) -> None:
+        self.point_params(full)
+        if self.swap is not None:
+            self.swap.done(self)  # the partition may leave memory (within max_in_cpu)
+
+    def start_gather(self) -> Handle:
+        """All-gather the chunks into a new full buffer (one collective per bucket); the parameters
+        point into it once waited. Param offload: the partition is read from its swap file first."""
+        full = torch.empty(self.layout.numel, dtype=self.dtype, device=self.device)
+        if self.swap is not None and self.world_size == 1:  # no collective: the read is waited lazily
+            self.swap.submit_load(self)
+
+            def finish() -> None:
+                self.swap.load(self)
+                self._copy_own(full)
+                self._gathered(full)
+
+            return Handle([], finish)
+        if self.swap is not None:
+            self.swap.load(self)
+        self._copy_own(full)
         inner = [all_gather_chunks(full[b.start:b.start + b.numel], self.group, "parameters")
                  for b in self.layout.buckets]
-        return Handle(inner, lambda: self._point_params(full))
+        return Handle(inner, lambda: self._gathered(full))
 
     def release(self) -> None:
         """Free the full parameters (the Parameter objects stay, holding empty tensors)."""
@@ -97,9 +130,13 @@ class _Shard:
             src = dist.get_global_rank(self.group, src_rank) if self.group is not None else src_rank
             dist.broadcast(self.full, src=src, group=self.group)
         with torch.no_grad():
+            if self.swap is not None:
+                self.swap.hold_for_overwrite(self)
             self.shard.copy_(torch.cat(self.layout.own_chunks(self.full, self.rank)))
             if not self.aliased:
                 self.master_flat.copy_(self.shard)
+            if self.swap is not None:
+                self.swap.write_back(self)
 
 
 class ShardedState(MasterPartitions, PartitionCheckpoint):
@@ -111,9 +148,13 @@ class ShardedState(MasterPartitions, PartitionCheckpoint):
 
     def __init__(self, model: torch.nn.Module, groups: list[list[torch.nn.Parameter]], group,
                  persistence_threshold: int, prefetch_numel: int = 50_000_000,
-                 bucket_numel: int = 500_000_000, overlap: bool = True, granularity_threshold: int = 0):
+                 bucket_numel: int = 500_000_000, overlap: bool = True, granularity_threshold: int = 0,
+                 param_swap=None):
         self.group = group
         self.world_size = dist.get_world_size(group)
+        self.bucket_numel = bucket_numel
+        # param offload (megazero.zero.param_offload): partitions go to swap files as each unit is built
+        self.param_swap = param_swap
         self.fetcher = UnitFetcher(prefetch_numel)
         group_of = {id(p): i for i, g in enumerate(groups) for p in g}
         for plan in plan_units(model, granularity_threshold):
@@ -131,6 +172,11 @@ class ShardedState(MasterPartitions, PartitionCheckpoint):
                         shards.append(_Shard(these, gi, group, persistent, bucket_numel))
             if not shards:
                 continue  # parameters outside the optimizer's groups (frozen): left as they are
+            if param_swap is not None:
+                for shard in shards:  # all: offload_optimizer treats a state's masters all alike
+                    shard.separate_master()
+                    if not shard.persistent:
+                        param_swap.add(shard)
             unit = self.fetcher.add(plan.module, shards)
             for shard in shards:
                 for p in shard.layout.params:
@@ -146,6 +192,8 @@ class ShardedState(MasterPartitions, PartitionCheckpoint):
                                       overlap, device, InflightLimit())
         # after the gradient hooks: a unit is released once its gradients are copied
         self.hooks = UnitHooks(model, self.units, self.fetcher)
+        if param_swap is not None:
+            param_swap.reset_peak()
 
     @property
     def prefetches(self) -> int:
@@ -175,25 +223,33 @@ class ShardedState(MasterPartitions, PartitionCheckpoint):
 
     def copy_targets(self) -> dict[int, torch.Tensor]:
         """{id(master): its 16-bit parameter shard} the optimizer may write in its update pass."""
-        return {id(m): v for s in self.parts if not s.aliased for m, v in zip(s.masters, s.shard_views)}
+        # swapped partitions are cast one at a time in update_model, not by the optimizer
+        return {id(m): v for s in self.parts if not s.aliased and s.swap is None
+                for m, v in zip(s.masters, s.shard_views)}
 
     def update_model(self, copies_written: bool = False) -> None:
         """Cast the masters into the parameter shards (unless the optimizer already did); re-gather
         the persistent ones."""
         with torch.no_grad():
             for s in self.parts:
-                if not s.aliased and not copies_written:
+                if s.swap is not None:  # one partition in memory at a time: cast, write back, drop
+                    s.swap.hold_for_overwrite(s)
                     s.shard.copy_(s.master_flat)
-        handles = [s.start_gather() for s in self.parts if s.persistent]
-        for h in handles:
-            h.wait()
+                    s.swap.write_back(s)
+                elif not s.aliased and not copies_written:
+                    s.shard.copy_(s.master_flat)
+        gather_persistent([s for s in self.parts if s.persistent], self.group, self.bucket_numel)
 
     def reset_masters(self) -> None:
         """Re-read the master shards from the parameter shards."""
         with torch.no_grad():
             for s in self.parts:
                 if not s.aliased:
+                    if s.swap is not None:
+                        s.swap.load(s)
                     s.master_flat.copy_(s.shard)
+                    if s.swap is not None:
+                        s.swap.done(s)
 
     def gathered(self, params: list[torch.nn.Parameter]) -> GatheredParameters:
         """The units holding `params` are whole inside it (zero.GatheredParameters)."""
@@ -201,7 +257,9 @@ class ShardedState(MasterPartitions, PartitionCheckpoint):
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The tensors this rank holds, by kind (shards, and whatever is gathered right now)."""
-        params = [s.shard for s in self.parts] + [s.full for s in self.parts if s.full is not None]
+        params = [s.shard for s in self.parts if s.swap is None] + [s.full for s in self.parts if s.full is not None]
+        if self.param_swap is not None:  # only the partitions in memory now
+            params += self.param_swap.resident_tensors()
         return {"parameters": params, "gradients": [s.grad_partition for s in self.parts],
                 "optimizer": [s.master_flat for s in self.parts if not s.aliased]}
 

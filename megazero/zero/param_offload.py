@@ -1,0 +1,160 @@
+"""Parameter offload at ZeRO stage 3 (ZeRO-Infinity, `zero_optimization.offload_param`).
+
+With `device: nvme` each rank's partitions of the partitioned (non-persistent) parameters live in
+swap files (megazero.zero.swap, through the asynchronous I/O op) instead of memory. The unit
+machinery above is unchanged: `UnitFetcher` still only calls `_Shard.start_gather()` and
+`_Shard.release()`, and the shard reads its partition back below them:
+
+- start_gather(): the partition's read is submitted (when it is not cached), then it is
+  all-gathered. At DP=1 the wait for the read is deferred to the handle's wait(), so a prefetched
+  unit's read overlaps the current unit's compute; at DP>1 the read is waited for before the
+  all-gather is started (collectives must start in the same order on every rank), and the gather
+  overlaps compute as without offload.
+- Once gathered, the partition is dropped from memory, except that up to `max_in_cpu` elements of
+  partitions stay cached (least recently used dropped first). Dropping frees the tensor's storage
+  (`untyped_storage().resize_(0)`), so every view of it stays valid and a read refills it in place.
+- After the optimizer step the masters are cast into each partition one at a time, which is then
+  written back (update_model); nothing is read for that, since the cast overwrites it all.
+
+Persistent parameters (under stage3_param_persistence_threshold) stay whole in memory, as in
+DeepSpeed. An fp32 model's partitions are normally its master weights themselves; with parameter
+offload every shard (persistent ones too, for uniformity) gets a separate fp32 master (in memory,
+or swapped too by offload_optimizer), so that the partition can leave memory; the arithmetic is
+the same (an fp32 -> fp32 cast is a copy).
+`device: cpu` on a CPU-only machine is the in-memory path itself (nothing is copied twice).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+
+import torch
+import torch.distributed as dist
+
+from megazero.zero.swap import SwapDirectory, SwapFiles
+
+
+def _resident(t: torch.Tensor) -> bool:
+    return t.untyped_storage().nbytes() > 0
+
+
+class ParamSwapper:
+    """The swap files of one rank's partitioned parameter shards, and which of them are in memory."""
+
+    def __init__(self, files: SwapFiles, max_in_cpu: int):
+        self.files = files
+        self.max_in_cpu = max_in_cpu
+        self.shards: list = []
+        self._cache: OrderedDict[int, object] = OrderedDict()  # id(shard) -> shard, in memory, LRU first
+        self._reads: dict[int, int] = {}  # id(shard) -> read request in flight
+        self.resident_numel = 0  # partition elements in memory now
+        self.peak_resident_numel = 0
+        self.setup_peak_numel = 0  # the peak while the shards were being added
+        self.reads = 0
+
+    def add(self, shard) -> None:
+        """Move a new shard's partition to its swap file (as the state builds it: one unit's
+        partitions in memory at a time)."""
+        # weakly: the model (whose parameters reach the shards) may outlive the engine's state;
+        # the swap files go with the state
+        shard.swap, shard.swap_name = weakref.proxy(self), f"param{len(self.shards):05d}"
+        self.shards.append(shard)
+        self.files.wait(self.files.submit_write(shard.swap_name, shard.shard))
+        self._cache[id(shard)] = shard
+        self.resident_numel += shard.shard.numel()
+        self.setup_peak_numel = max(self.setup_peak_numel, self.resident_numel)
+        self._evict(limit=0)  # nothing cached at the start: the partitions live in the files
+
+    def reset_peak(self) -> None:
+        """Measure peak_resident_numel from what is in memory now."""
+        self.peak_resident_numel = self.resident_numel
+
+    # ---- residency -------------------------------------------------------------------------------
+    def _allocate(self, shard) -> None:
+        storage = shard.shard.untyped_storage()
+        storage.resize_(shard.shard.numel() * shard.shard.element_size())
+        self._cache[id(shard)] = shard
+        self.resident_numel += shard.shard.numel()
+        self.peak_resident_numel = max(self.peak_resident_numel, self.resident_numel)
+
+    def submit_load(self, shard) -> None:
+        """Start reading `shard`'s partition into memory (nothing when it is cached or on its way)."""
+        if id(shard) in self._cache:
+            self._cache.move_to_end(id(shard))
+            return
+        self._allocate(shard)
+        self._reads[id(shard)] = self.files.submit_read(shard.swap_name, shard.shard)
+        self.reads += 1
+
+    def load(self, shard) -> None:
+        """`shard`'s partition is in memory when this returns."""
+        self.submit_load(shard)
+        request = self._reads.pop(id(shard), None)
+        if request is not None:
+            self.files.wait(request)
+
+    def hold_for_overwrite(self, shard) -> None:
+        """`shard`'s partition has memory (contents unspecified unless cached): it is about to be
+        overwritten whole."""
+        if id(shard) in self._cache:
+            self.load(shard)  # a read in flight must land before the overwrite
+            self._cache.move_to_end(id(shard))
+        else:
+            self._allocate(shard)
+
+    def write_back(self, shard) -> None:
+        """Write `shard`'s (changed) partition to its file, then drop what max_in_cpu does not keep."""
+        self.files.wait(self.files.submit_write(shard.swap_name, shard.shard))
+        self.done(shard)
+
+    def done(self, shard) -> None:
+        """`shard`'s partition is not needed now: keep it cached within max_in_cpu, else drop it."""
+        self._evict(self.max_in_cpu)
+
+    def _evict(self, limit: int) -> None:
+        while self.resident_numel > limit and self._cache:
+            key = next(k for k in self._cache)  # least recently used
+            if key in self._reads:  # still being read: only the partitions before it go
+                break
+            shard = self._cache.pop(key)
+            shard.shard.untyped_storage().resize_(0)
+            self.resident_numel -= shard.shard.numel()
+
+    def resident_tensors(self) -> list[torch.Tensor]:
+        """The partitions in memory now."""
+        return [s.shard for s in self._cache.values()]
+
+    def disk_bytes(self) -> int:
+        """Bytes of this rank's parameter swap files."""
+        return self.files.disk_bytes()
+
+    def close(self) -> None:
+        """Remove the swap files (also done at exit and at garbage collection)."""
+        self.files.close()
+
+
+def is_resident(shard) -> bool:
+    """Whether a `_Shard`'s partition is in memory."""
+    return _resident(shard.shard)
+
+
+def make_param_swapper(config, model: torch.nn.Module, group=None) -> ParamSwapper | None:
+    """The ParamSwapper for `zero_optimization.offload_param` of an EngineConfig: one for device
+    nvme; None for device none, or cpu with a model on the CPU (the in-memory path itself)."""
+    offload = config.zero_optimization.offload_param
+    if offload.device == "none" or config.zero_optimization.stage != 3:
+        return None
+    devices = {p.device.type for p in model.parameters()}
+    if devices - {"cpu"}:
+        raise ValueError(f"zero_optimization.offload_param.device={offload.device!r} with parameters on "
+                         f"{sorted(devices)} is not implemented (parameter offload is for CPU training here)")
+    if offload.device == "cpu":
+        return None
+    from megazero.ops.aio import AsyncIO
+    from megazero.zero.offload import _agreed_run_id
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    files = SwapFiles(SwapDirectory(offload.nvme_path, _agreed_run_id(group), rank),
+                      AsyncIO(**config.aio.model_dump()))
+    return ParamSwapper(files, offload.max_in_cpu)

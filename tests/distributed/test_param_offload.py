@@ -1,0 +1,141 @@
+"""Parameter offload at ZeRO stage 3 (megazero.zero.param_offload): with offload_param nvme the
+partitioned parameters live in swap files, are read back ahead of use and dropped after; the run is
+bit for bit the in-memory stage-3 run at DP=1 and DP=2, fp32 and bf16, with accumulation, clipping
+and dropout (per world size one dtype alone, the other with offload_optimizer nvme too and some
+partitions cached), also for a model zero.Init built straight into swap files (holding nothing);
+the partitions held in memory stay under two units' worth; device cpu on CPU is the in-memory
+path. Also: after each optimizer step the persistent parameters are re-gathered in one all-gather
+per reduce bucket, not one per unit."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import megazero
+from megazero.data import GPTDataset, IndexedDataset
+from megazero.profiling.memory import tensor_bytes
+from megazero.zero import Init
+from megazero.zero.collectives import traffic
+from megazero.zero.persistent import _packs
+from megazero.zero.swap import ROOT_NAME
+from models.gpt import GPTConfig
+from models.parallelize import parallelize
+from tests.training_helpers import TINY, base_config, build_engine, full_parameters, global_mean, train
+
+STEPS = 2  # the second step reads back what the first step's update wrote
+
+
+def _config(bf16: bool, offload_param: dict | None = None, offload_optimizer: dict | None = None) -> dict:
+    zero = {"stage": 3, "reduce_bucket_size": 20000, "stage3_param_persistence_threshold": 100}
+    if offload_param is not None:
+        zero["offload_param"] = offload_param
+    if offload_optimizer is not None:
+        zero["offload_optimizer"] = offload_optimizer
+    extra = {"bf16": {"enabled": True}} if bf16 else {}
+    return base_config(zero_optimization=zero, gradient_accumulation_steps=2, **extra)
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a["losses"] == b["losses"] and all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
+
+
+def _param_state(engine):
+    return getattr(engine.dp, "inner", engine.dp)
+
+
+def _init_on_nvme(prefix: str, tmp: str, nvme: dict, reference: dict) -> dict:
+    """A model built by zero.Init straight into swap files holds nothing in memory, and trains with
+    parameter offload exactly as the in-memory stage-3 run of the same model (`reference`, bf16)."""
+    config = _config(True, nvme)
+    megazero.set_seed(0)
+    with Init(config_dict_or_path=config):
+        model = parallelize(GPTConfig(**TINY), None)
+    held = sum(p.numel() + getattr(p, "_megazero_init_chunk", torch.empty(0)).numel() for p in model.parameters())
+    swapped = all(hasattr(p, "_megazero_init_swap") for p in model.parameters())
+    init_dir = next(iter(model.parameters()))._megazero_init_swap[0].files.directory.path
+    engine, _, loader, _ = megazero.initialize(model=model, training_data=GPTDataset(
+        IndexedDataset(prefix), TINY["seq_length"], seed=0), config=config)
+    del model
+    gc.collect()
+    swap = engine.dp.param_swap
+    largest_unit = max(sum(s.shard.numel() for s in u.shards if not s.persistent) for u in engine.dp.units)
+    data = iter(loader)
+    losses = [global_mean(engine.train_batch(data).item(), engine) for _ in range(STEPS)]
+    result = {"losses": losses, "params": full_parameters(engine)}
+    return {"held after Init": held, "in swap files": swapped, "Init files removed": not os.path.exists(init_dir),
+            "build peak within a unit": swap.setup_peak_numel <= largest_unit,
+            "equal": _equal(reference, result)}
+
+
+def _offload_runs(prefix: str, tmp: str) -> dict:
+    rank = dist.get_rank()
+    nvme = {"device": "nvme", "nvme_path": os.path.join(tmp, "nvme"), "max_in_cpu": 0}
+    out = {"rank": rank}
+    for bf16 in (False, True):
+        kind = "bf16" if bf16 else "fp32"
+        plain = train(_config(bf16), prefix, STEPS)
+        if bf16 == (dist.get_world_size() == 1):  # also: some partitions cached, the optimizer offloaded too
+            offloaded = train(_config(bf16, {**nvme, "max_in_cpu": 5000},
+                                      {"device": "nvme", "nvme_path": nvme["nvme_path"]}), prefix, STEPS)
+        else:
+            offloaded = train(_config(bf16, nvme), prefix, STEPS)
+        out[f"{kind} equal"] = _equal(plain, offloaded)
+    # plain: the bf16 in-memory run
+    out["zero.Init on nvme"] = _init_on_nvme(prefix, tmp, nvme, plain)
+    # memory: the partitions in memory during a step, against the in-memory run's
+    plain, _ = build_engine(_config(True), prefix)
+    offloaded, loader = build_engine(_config(True, nvme), prefix)
+    cpu, _ = build_engine(_config(True, {"device": "cpu"}), prefix)
+    data = iter(loader)
+    state = _param_state(offloaded)
+    swap = state.param_swap
+    for _ in range(2):
+        offloaded.train_batch(data)
+    partitions = [s for s in state.parts if not s.persistent]
+    largest_two = sorted((s.shard.numel() for s in partitions), reverse=True)[:2]
+    out["peak resident"] = (swap.peak_resident_numel, sum(largest_two), sum(s.shard.numel() for s in partitions))
+    out["resident after step"] = swap.resident_numel
+    out["reads"] = swap.reads
+    out["parameter bytes"] = (tensor_bytes(state.memory_tensors()["parameters"]),
+                              tensor_bytes(plain.dp.memory_tensors()["parameters"]))
+    out["disk"] = swap.disk_bytes()
+    out["cpu is in-memory"] = cpu.dp.param_swap is None and type(cpu.dp) is type(plain.dp)
+    # persistent parameters: one all-gather per pack (reduce_bucket_size), not one per unit
+    persistent = [s for s in plain.dp.parts if s.persistent]
+    traffic.reset()
+    plain.dp.update_model()
+    out["persistent gathers"] = (traffic.calls.get("all_gather", 0), len(_packs(persistent, 20000)), len(persistent))
+    swap.close()
+    del offloaded, plain, cpu, state, swap
+    gc.collect()
+    root = os.path.join(nvme["nvme_path"], ROOT_NAME)
+    left = [os.path.join(d, r) for d in (os.listdir(root) if os.path.isdir(root) else [])
+            for r in os.listdir(os.path.join(root, d))]
+    out["swap left"] = left
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_param_offload_equals_in_memory_and_bounds_memory(pools, token_dataset_prefix_module, tmp_path, world_size):
+    for r in pools(world_size).run(_offload_runs, token_dataset_prefix_module, str(tmp_path)):
+        failed = [k for k, v in r.items() if v is False]
+        assert not failed, f"rank {r['rank']}: {failed}"
+        assert r["swap left"] == [], r["swap left"]  # every run's swap files removed with its engine
+        init = r["zero.Init on nvme"]
+        assert init == {"held after Init": 0, "in swap files": True, "Init files removed": True,
+                        "build peak within a unit": True, "equal": True}, init
+        peak, two, total = r["peak resident"]
+        assert peak <= two < total, r["peak resident"]  # never more than two partitions at once (max_in_cpu 0)
+        assert r["resident after step"] == 0 and r["reads"] > 0
+        offloaded, in_memory = r["parameter bytes"]
+        assert offloaded < in_memory, r["parameter bytes"]  # only the persistent ones stay
+        assert r["disk"] > 0
+        calls, packs, shards = r["persistent gathers"]
+        if world_size > 1:
+            assert calls == packs < shards, r["persistent gathers"]
+        print(r)
