@@ -326,6 +326,8 @@ class ProgressLog:
         mfu = tflops_per_rank * 1e12 / self.peak_flops
         done = it - self.run_start_iter
         eta = (time.perf_counter() - self.run_start) / max(done, 1) * (self.args.train_iters - it)
+        if self.args.train_minutes is not None:  # the run stops at its time budget if that comes first
+            eta = max(0.0, min(eta, 60 * self.args.train_minutes - (time.perf_counter() - self.run_start)))
         # Megatron's per-interval counts: skipped steps, and of those the inf/nan gradients that no
         # dynamic loss scale explains (fp32, bf16)
         skipped = self.engine.skipped_steps - self.skipped_before
@@ -404,7 +406,9 @@ def train_loop(engine, loader, args, log: ProgressLog, stop: StopSignal, rank: i
         timed_out, signalled = all_reduce_values([float(out_of_time), float(stop.received is not None)], "max")
         reason = "signal" if signalled else "time" if timed_out else None
         paused = time.perf_counter()
-        if reason is None and (it % args.eval_interval == 0 or it == args.train_iters):
+        # a run stopped by its time budget still ends validated (its last loss is what it reached);
+        # a signal (preemption, Slurm's time limit) leaves no time for it
+        if reason != "signal" and (it % args.eval_interval == 0 or it == args.train_iters or reason == "time"):
             val_loss = run_validation()
         if args.save and (it % args.save_interval == 0 or it == args.train_iters or reason):
             save_or_stop(engine, args, it, rank, last=it == args.train_iters or reason is not None)

@@ -55,8 +55,16 @@ def main(argv=None) -> str:
         config = saved_model_config(args.load, args.tag, config_class=GPTConfig)
         state = to_hf_state_dict(weights, config)
         hf_config = hf_config_dict(config, tokenizer.eod, tokenizer.eod)
+    if tokenizer.vocab_size != config.vocab_size:  # its ids would index past the embedding, or miss rows
+        raise SystemExit(f"export_hf.py: the tokenizer {args.tokenizer_model} has {tokenizer.vocab_size} pieces but "
+                         f"the model in {args.load} has a vocabulary of {config.vocab_size}: pass this model's "
+                         f"tokenizer with --tokenizer-model")
     os.makedirs(args.out, exist_ok=True)
-    save_file(state, os.path.join(args.out, "model.safetensors"), metadata={"format": "pt"})
+    weights_path = os.path.join(args.out, "model.safetensors")
+    save_file(state, weights_path, metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(weights_path, 0o666 & ~umask)  # as the other files: readable by whoever loads the export
     with open(os.path.join(args.out, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=1)
     shutil.copy(args.tokenizer_model, os.path.join(args.out, "tokenizer.model"))

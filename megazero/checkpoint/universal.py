@@ -142,6 +142,11 @@ def fit_vocabulary_rows(full: torch.Tensor, rows: int, name: str, vocab_size: in
         warnings.warn(f"{name}: {full.shape[0]} rows saved, {rows} expected, and the checkpoint has no "
                       f"model_config.vocab_size to tell padding rows from tokens; rows are "
                       f"{'added as zeros' if rows > full.shape[0] else 'dropped'}", stacklevel=4)
+    elif max(rows, full.shape[0]) < vocab_size:  # not a vocabulary tensor: another model shape
+        raise CheckpointError(f"{name}: shape {tuple(full.shape)} saved, this model's has {rows} rows: the model "
+                              f"configs differ (a size such as --hidden-size, --ffn-hidden-size, "
+                              f"--num-attention-heads or --num-query-groups changed); load it with the saved "
+                              f"model config, or save the new model to another directory")
     elif min(rows, full.shape[0]) < vocab_size:
         raise CheckpointError(f"{name}: {full.shape[0]} rows saved, {rows} expected, but the vocabulary has "
                               f"{vocab_size} tokens: only padding rows (from {vocab_size} on) can be added or "

@@ -108,7 +108,7 @@ PROGRAM = textwrap.dedent("""
     args = training.recipe_parser("", "unused", config_path).parse_args(
         ["--data-path", prefix, "--train-iters", "10", "--eval-interval", "2", "--eval-iters", "2",
          "--log-interval", "2", "--save", os.path.join(os.path.dirname(out_path), "ckpt"), "--save-interval",
-         "100", "--peak-flops", "1e11"])
+         "100", "--peak-flops", "1e11", *sys.argv[5:]])
     megazero.init_distributed()
     grid = parallel_state.initialize_model_parallel(1, 1)
     megazero.set_seed(args.seed)
@@ -173,6 +173,31 @@ def test_train_validates_and_a_signal_saves_and_stops(token_dataset_prefix, tmp_
         ["iteration", "2/10"], ["iteration", "4/10"]]
     assert result["twice"]["loss"] == result["default"]["loss"] == result["val_loss"]
     assert result["twice"]["twice"] == pytest.approx(2 * result["default"]["loss"], rel=1e-12)
+
+
+@pytest.mark.slow
+def test_a_run_stopped_by_its_time_budget_ends_validated(token_dataset_prefix, tmp_path):
+    """--train-minutes reached between evaluations: the last validation is of the last iteration
+    (what the run reached), and the ETA counts down to the budget, not to --train-iters."""
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "steps_per_print": 1000,
+                                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}))
+    program = tmp_path / "run.py"
+    program.write_text(PROGRAM)
+    out = tmp_path / "result.json"
+    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    budget_s = 1e-6 * 60  # --train-minutes 1e-6: past it after the first iteration
+    proc = subprocess.run([sys.executable, str(program), token_dataset_prefix, str(config), str(out), "-1",
+                           "--train-minutes", "1e-6", "--log-interval", "1", "--eval-interval", "4"],
+                          capture_output=True, text=True, env=env, timeout=300, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert "time budget of 1e-06 min reached at iteration 1" in proc.stdout, proc.stdout
+    assert (result["iteration"], result["reason"], result["validated"]) == (1, "time", [1])
+    etas = [float(line.split("ETA:")[1].split()[0]) for line in proc.stdout.splitlines() if "ETA:" in line]
+    assert etas and all(eta <= budget_s / 60 for eta in etas), proc.stdout
 
 
 @pytest.mark.slow

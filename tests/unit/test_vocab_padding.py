@@ -101,6 +101,10 @@ def test_resharding_adds_and_drops_padding_rows_only():
         assert torch.equal(fit_vocabulary_rows(saved[:320], 384, "wte.weight", VOCAB), saved)
     with pytest.raises(CheckpointError, match=r"wte.weight: 384 rows saved, 256 expected, but the vocabulary has 300"):
         fit_vocabulary_rows(saved, 256, "wte.weight", VOCAB)
+    # a tensor below the vocabulary on both sides is not a vocabulary tensor: another model shape
+    with pytest.raises(CheckpointError, match=r"blocks.0.attn.kv.weight: shape \(256, 4\) saved, this model's has "
+                                              r"128 rows: the model configs differ .*--num-query-groups"):
+        fit_vocabulary_rows(torch.zeros(256, 4), 128, "blocks.0.attn.kv.weight", VOCAB)
     with pytest.warns(UserWarning, match="no model_config.vocab_size"):
         fit_vocabulary_rows(saved, 320, "wte.weight", None)
 
