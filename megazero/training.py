@@ -25,6 +25,7 @@ import megazero
 from megazero import parallel_state
 from megazero.config import ConfigError, load_config_source, resolve_batch_triad
 from megazero.data import DistributedBatchLoader, SentencePieceTokenizer
+from megazero.data.blended_dataset import parse_data_path
 from megazero.data.data_paths import DataSplits, build_splits, first_prefix
 from megazero.distributed import all_reduce_values
 from megazero.profiling import measure_peak_flops
@@ -55,6 +56,14 @@ class RecipeParser(argparse.ArgumentParser):
         if hasattr(parsed, "data_path"):
             if bool(parsed.data_path) == bool(parsed.train_data_path):
                 self.error("give one of --data-path (with --split) or --train-data-path (with --valid-data-path)")
+            for split in ("", "train", "valid", "test"):  # a malformed list: a usage error, not a traceback per rank
+                values = getattr(parsed, f"{split}_data_path" if split else "data_path", None)
+                if values:
+                    try:
+                        parse_data_path(values, f"--{split}-data-path" if split else "--data-path",
+                                        unweighted=split in ("valid", "test"))
+                    except ValueError as e:
+                        self.error(str(e))
             if parsed.tokenizer_model is None:
                 parsed.tokenizer_model = default_tokenizer(first_prefix(parsed))
         return parsed, rest
@@ -92,7 +101,9 @@ def recipe_parser(description: str, model_config: str, engine_config_path: str) 
                    help="train,valid,test weights cutting a one-dataset --data-path prefix by documents")
     for split in ("train", "valid", "test"):
         p.add_argument(f"--{split}-data-path", nargs="+", default=None,
-                       help=f"the {split} datasets' prefixes (or weight-prefix pairs), instead of --data-path")
+                       help=f"the {split} datasets: one prefix or weight-prefix pairs"
+                       + ("" if split == "train" else " or prefixes (each reported apart)")
+                       + ", instead of --data-path")
     p.add_argument("--tokenizer-model", default=None, help="default: P_tokenizer.model of the first prefix")
     p.add_argument("--save", default=None)
     p.add_argument("--load", default=None)

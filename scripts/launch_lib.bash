@@ -107,3 +107,17 @@ megazero_launch_slurm() {
       ;;
   esac
 }
+
+# DATA_ARGS: `--data-path` from DATA_PATH (one prefix, or "W1 P1 W2 P2 ..." to blend: split into
+# words) or the recipe's default ($1), unless the flags after it name the data themselves
+# (--data-path, or --train-data-path with --valid-data-path).
+megazero_data_args() {
+  local default=$1 arg
+  shift
+  DATA_ARGS=()
+  for arg in "$@"; do
+    case "$arg" in --data-path|--train-data-path) return 0 ;; esac
+  done
+  read -r -a DATA_ARGS <<< "${DATA_PATH:-$default}"
+  DATA_ARGS=(--data-path "${DATA_ARGS[@]}")
+}

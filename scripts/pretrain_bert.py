@@ -55,18 +55,25 @@ def bert_metrics(engine, dataset: BertDataset, args) -> dict[str, float]:
     return result
 
 
+def validation_metrics(engine, valid: dict[str, BertDataset], weights: dict[str, float],
+                       args) -> tuple[dict[str, dict], dict]:
+    """bert_metrics of each validation dataset, and their mean weighted by `weights`."""
+    results = {name: bert_metrics(engine, data, args) for name, data in valid.items()}
+    first = next(iter(results.values()))
+    mean = {k: sum(weights[n] * r[k] for n, r in results.items()) for k in first} if len(results) > 1 else first
+    return results, mean
+
+
 def run_validation(engine, valid: dict[str, BertDataset], weights: dict[str, float], args, rank: int) -> float:
     """Evaluate each validation dataset, print and log (with several: each one's as
     `lm loss validation/<name>`, then their weighted mean); returns the validation loss."""
-    results = {name: bert_metrics(engine, data, args) for name, data in valid.items()}
+    results, result = validation_metrics(engine, valid, weights, args)
     it = engine.global_steps
     if len(results) > 1:
-        for name, result in results.items():
-            engine.monitor.write(it, {f"lm loss validation/{name}": result["loss"]})
+        for name, one in results.items():
+            engine.monitor.write(it, {f"lm loss validation/{name}": one["loss"]})
             if rank == 0:
-                print(f" validation at iteration {it} | {name} | lm loss: {result['loss']:.4f}", flush=True)
-        results = {"": {k: sum(weights[n] * r[k] for n, r in results.items()) for k in next(iter(results.values()))}}
-    result = next(iter(results.values()))
+                print(f" validation at iteration {it} | {name} | lm loss: {one['loss']:.4f}", flush=True)
     if rank == 0:
         extra = ""
         if "mlm" in result:
@@ -98,13 +105,13 @@ def main(argv=None) -> dict:
                            binary_head=config.binary_head, shuffle=split == "train")
 
     data = training.build_datasets(args, make, kind="sentence")
-    train_data, valid_data = data.train, next(iter(data.valid.values()))
+    train_data = data.train
 
     def finish(engine, val_loss: float | None, reason: str | None) -> dict:
-        """A final evaluation (not after a preemption signal)."""
-        final = bert_metrics(engine, valid_data, args) if reason != "signal" else {}
+        """A final evaluation of every validation dataset, weighted (not after a preemption signal)."""
+        final = validation_metrics(engine, data.valid, data.valid_weights, args)[1] if reason != "signal" else {}
         if rank == 0 and final:
-            print(f"final validation: {final}", flush=True)
+            print("final validation: " + ", ".join(f"{k} {v:.4f}" for k, v in final.items()), flush=True)
         return {"iteration": engine.global_steps, **final}
 
     return training.train(args, model, train_data, grid=grid, name="BERT", num_params=num_params,

@@ -21,8 +21,9 @@ cd "$ROOT"
 source scripts/launch_lib.bash
 
 SAVE_DIR=${SAVE_DIR:-checkpoints/bert_cpu}
+megazero_data_args data/bert/shakespeare "$@"
 megazero_launch scripts/pretrain_bert.py \
   --model-config "${MODEL_CONFIG:-configs/bert_cpu.json}" --deepspeed_config "${CONFIG:-configs/ds_bert_cpu.json}" \
-  --data-path "${DATA_PATH:-data/bert/shakespeare}" --save "$SAVE_DIR" --load "$SAVE_DIR" \
+  "${DATA_ARGS[@]}" --save "$SAVE_DIR" --load "$SAVE_DIR" \
   --tensorboard-dir "${TB_DIR:-runs/bert_cpu}" \
   --train-iters 2000 --train-minutes 10 --eval-interval 200 --save-interval 200 --log-interval 20 "$@"

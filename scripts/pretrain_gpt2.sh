@@ -21,8 +21,9 @@ cd "$ROOT"
 source scripts/launch_lib.bash
 
 SAVE_DIR=${SAVE_DIR:-checkpoints/gpt2_cpu}
+megazero_data_args data/gpt2/shakespeare "$@"
 megazero_launch scripts/pretrain_gpt.py \
   --model-config "${MODEL_CONFIG:-configs/gpt2_cpu.json}" --deepspeed_config "${CONFIG:-configs/ds_gpt2_cpu.json}" \
-  --data-path "${DATA_PATH:-data/gpt2/shakespeare}" --save "$SAVE_DIR" --load "$SAVE_DIR" \
+  "${DATA_ARGS[@]}" --save "$SAVE_DIR" --load "$SAVE_DIR" \
   --tensorboard-dir "${TB_DIR:-runs/gpt2_cpu}" \
   --train-iters 500 --train-minutes 10 --eval-interval 100 --save-interval 100 --log-interval 10 "$@"

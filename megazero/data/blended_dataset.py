@@ -23,20 +23,32 @@ import torch.distributed as dist
 from megazero.data.loader import MultiEpochDataset
 
 
-def parse_data_path(values: list[str]) -> tuple[list[float], list[str]]:
-    """(normalised weights, prefixes) of `P` or `W1 P1 W2 P2 ...`."""
+def parse_data_path(values: list[str], flag: str = "--data-path",
+                    unweighted: bool = False) -> tuple[list[float], list[str]]:
+    """(normalised weights, prefixes) of `P` or `W1 P1 W2 P2 ...` given to `flag`; with
+    `unweighted` also `P1 P2 ...` (equal weights: the valid and test sets, each reported apart)."""
     if len(values) == 1:
         return [1.0], list(values)
+    if unweighted and not any(_is_number(v) for v in values):
+        return [1 / len(values)] * len(values), list(values)
+    pairs = "weight-prefix pairs (W1 P1 W2 P2 ...)" + (" or prefixes (P1 P2 ...)" if unweighted else "")
     if len(values) % 2:
-        raise ValueError(f"--data-path takes one prefix or weight-prefix pairs (W1 P1 W2 P2 ...), got {values}")
+        raise ValueError(f"{flag} takes one prefix or {pairs}, got {values}")
     try:
         weights = [float(w) for w in values[0::2]]
     except ValueError:
-        raise ValueError(f"--data-path takes weight-prefix pairs (W1 P1 W2 P2 ...): {values[0::2]} are not all "
-                         f"numbers") from None
+        raise ValueError(f"{flag} takes one prefix or {pairs}: {values[0::2]} are not all numbers") from None
     if any(not math.isfinite(w) or w <= 0 for w in weights):
-        raise ValueError(f"--data-path weights must be positive, got {weights}")
+        raise ValueError(f"{flag} weights must be positive, got {weights}")
     return [w / sum(weights) for w in weights], list(values[1::2])
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def build_blend_indices(weights: list[float], size: int) -> tuple[np.ndarray, np.ndarray]:

@@ -12,8 +12,11 @@ instead.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import torch.distributed as dist
 
 from megazero.data.blended_dataset import BlendedDataset, parse_data_path
 from megazero.data.indexed_dataset import DocumentRange, IndexedDataset, split_documents
@@ -34,6 +37,10 @@ class DataSplits:
     blend_key: str | None = None
 
 
+def _is_rank_0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
 def _exists(prefix: str) -> bool:
     return os.path.isfile(prefix + ".idx")
 
@@ -48,7 +55,18 @@ def resolve_prefix(prefix: str, kind: str, split: str) -> dict[str, object]:
     for path in (prefix, f"{prefix}_text_{kind}"):
         if _exists(path):
             whole = IndexedDataset(path)
-            ranges = split_documents(split, len(whole.document_indices) - 1)
+            documents = len(whole.document_indices) - 1
+            ranges = split_documents(split, documents)
+            counts = {name: b - a for name, (a, b) in zip(SPLITS, ranges)}
+            if _is_rank_0():
+                print(f"data: {path}: {documents} documents, --split {split}: "
+                      + ", ".join(f"{name} {n}" for name, n in counts.items()), flush=True)
+                shares = [float(x) for x in split.replace("/", ",").split(",")] + [0.0] * 3
+                for (name, n), share in zip(counts.items(), shares):
+                    if share > 0 and n == 0:
+                        warnings.warn(f"--split {split} gives {path}'s {name} part no document of its {documents}: "
+                                      f"there is no {name} set (give it a larger share, or a --{name}-data-path)",
+                                      stacklevel=2)
             return {name: DocumentRange(whole, a, b) for name, (a, b) in zip(SPLITS, ranges) if b > a}
     raise FileNotFoundError(f"--data-path {prefix}: found neither {prefix}_train_text_{kind}.idx (a preprocessed "
                             f"train/valid family) nor {prefix}.idx or {prefix}_text_{kind}.idx (one dataset, "
@@ -84,7 +102,7 @@ def build_splits(args, kind: str, make: Callable[[object, str], object], train_s
         for split in SPLITS:
             values = getattr(args, f"{split}_data_path", None)
             if values:
-                weights, prefixes = parse_data_path(values)
+                weights, prefixes = parse_data_path(values, f"--{split}-data-path", unweighted=split != "train")
                 per_split[split] = (weights, prefixes, [IndexedDataset(p) for p in prefixes])
     if "train" not in per_split:
         raise ValueError("no training data: give --data-path or --train-data-path")

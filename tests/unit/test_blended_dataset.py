@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 
 import numpy as np
 import pytest
@@ -86,3 +87,43 @@ def test_blended_data_path_builds_a_cached_blend_and_per_dataset_validation(tmp_
     assert data.valid["one"][0][0] == 80 and data.test["one"].num_tokens == 100
     whole = IndexedDataset(str(tmp_path / "one"))
     assert np.array_equal(DocumentRange(whole, 80, 90).tokens, whole.tokens[800:900])
+
+
+def test_data_flags_name_themselves_and_an_empty_split_is_reported(tmp_path, capsys):
+    """Plain prefixes for --valid-data-path are each reported apart (equal weights); a malformed
+    list is a usage error naming the flag it was given to; a --split share that rounds to no
+    document is printed and warned about instead of the test set vanishing."""
+    assert parse_data_path(["a", "b"], "--valid-data-path", unweighted=True) == ([0.5, 0.5], ["a", "b"])
+    with pytest.raises(ValueError, match="--train-data-path takes one prefix or weight-prefix pairs"):
+        parse_data_path(["a", "b"], "--train-data-path")
+    parser = recipe_parser("", "m.json", "e.json")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--train-data-path", "a", "--valid-data-path", "0.5", "b", "c"])
+    assert "--valid-data-path takes one prefix or weight-prefix pairs" in capsys.readouterr().err
+
+    write_indexed_dataset(str(tmp_path / "few"), [np.full(10, i, np.uint16) for i in range(40)], np.uint16)
+    args = recipe_parser("", "m.json", "e.json").parse_args(["--data-path", str(tmp_path / "few"),
+                                                             "--split", "969,30,1"])
+    with pytest.warns(UserWarning, match="gives .*few's test part no document of its 40"):
+        data = build_splits(args, "document", lambda indexed, split: indexed, 10)
+    assert "few: 40 documents, --split 969,30,1: train 39, valid 1, test 0" in capsys.readouterr().out
+    assert not data.test
+
+
+def test_launchers_take_a_blend_in_data_path_and_leave_named_data_alone():
+    lib = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts",
+                       "launch_lib.bash")
+
+    def data_args(data_path: str | None, *flags: str) -> list[str]:
+        env = {k: v for k, v in os.environ.items() if k != "DATA_PATH"}
+        if data_path is not None:
+            env["DATA_PATH"] = data_path
+        script = f'source {lib}; megazero_data_args data/default "$@"; printf "%s\\n" "${{DATA_ARGS[@]}}"'
+        proc = subprocess.run(["bash", "-c", script, "bash", *flags], capture_output=True, text=True, env=env)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.split()
+
+    assert data_args(None) == ["--data-path", "data/default"]
+    assert data_args("0.7 data/web 0.3 data/books") == ["--data-path", "0.7", "data/web", "0.3", "data/books"]
+    assert data_args("0.7 data/web 0.3 data/books", "--train-data-path", "A", "--valid-data-path", "B") == []
+    assert data_args(None, "--lr", "1", "--data-path", "X") == []
