@@ -34,12 +34,13 @@ def generate(path: str, size_mb: float, corpus_dir: str) -> int:
     text = "".join(open(os.path.join(corpus_dir, f), encoding="utf-8").read()
                    for f in sorted(os.listdir(corpus_dir)) if f.endswith(".txt"))
     pieces = [json.dumps({"text": text[i:i + 4096]}) + "\n" for i in range(0, len(text), 4096)]
-    block = "".join(pieces).encode()
-    with open(path, "wb") as f:
-        written = 0
+    encoded = [p.encode() for p in pieces]
+    with open(path, "wb") as f:  # whole documents until the size is reached (the corpus repeated)
+        written, i = 0, 0
         while written < size_mb * 2**20:
-            f.write(block)
-            written += len(block)
+            f.write(encoded[i % len(encoded)])
+            written += len(encoded[i % len(encoded)])
+            i += 1
     return written
 
 
