@@ -267,7 +267,8 @@ def load_engine_checkpoint(engine, load_dir, tag, load_optimizer_states: bool, l
     asked = agree_on_tag(tag, engine.config.checkpoint.tag_validation)
     tag = resolve_tag(load_dir, asked, fallback)
     if tag is None:
-        warnings.warn(f"no 'latest' file in {load_dir}: nothing to load, starting from scratch", stacklevel=3)
+        if not dist.is_initialized() or dist.get_rank() == 0:  # one notice per run, not one per rank
+            warnings.warn(f"no 'latest' file in {load_dir}: nothing to load, starting from scratch", stacklevel=3)
         return None, None
     path = os.path.join(load_dir, tag)
     try:
