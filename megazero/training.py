@@ -337,8 +337,9 @@ class ProgressLog:
         mfu = tflops_per_rank * 1e12 / self.peak_flops
         done = it - self.run_start_iter
         eta = (time.perf_counter() - self.run_start) / max(done, 1) * (self.args.train_iters - it)
-        if self.args.train_minutes is not None:  # the run stops at its time budget if that comes first
-            eta = max(0.0, min(eta, 60 * self.args.train_minutes - (time.perf_counter() - self.run_start)))
+        budget = getattr(self.args, "train_minutes", None)
+        if budget is not None:  # the run stops at its time budget if that comes first
+            eta = max(0.0, min(eta, 60 * budget - (time.perf_counter() - self.run_start)))
         # Megatron's per-interval counts: skipped steps, and of those the inf/nan gradients that no
         # dynamic loss scale explains (fp32, bf16)
         skipped = self.engine.skipped_steps - self.skipped_before

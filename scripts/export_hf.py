@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import shutil
+import warnings
 
 from megazero.checkpoint.consolidate import consolidate_fp32_state_dict
 from megazero.checkpoint.model_files import saved_model_config, saved_model_config_dict
@@ -55,10 +56,10 @@ def main(argv=None) -> str:
         config = saved_model_config(args.load, args.tag, config_class=GPTConfig)
         state = to_hf_state_dict(weights, config)
         hf_config = hf_config_dict(config, tokenizer.eod, tokenizer.eod)
-    if tokenizer.vocab_size != config.vocab_size:  # its ids would index past the embedding, or miss rows
-        raise SystemExit(f"export_hf.py: the tokenizer {args.tokenizer_model} has {tokenizer.vocab_size} pieces but "
-                         f"the model in {args.load} has a vocabulary of {config.vocab_size}: pass this model's "
-                         f"tokenizer with --tokenizer-model")
+    if tokenizer.vocab_size != config.vocab_size:  # ids past the embedding would fail in transformers
+        warnings.warn(f"the tokenizer {args.tokenizer_model} has {tokenizer.vocab_size} pieces but the model in "
+                      f"{args.load} has a vocabulary of {config.vocab_size}: the export's tokenizer does not "
+                      f"match its model; pass this model's tokenizer with --tokenizer-model", stacklevel=2)
     os.makedirs(args.out, exist_ok=True)
     weights_path = os.path.join(args.out, "model.safetensors")
     save_file(state, weights_path, metadata={"format": "pt"})
