@@ -24,6 +24,7 @@ import os
 import resource
 import socket
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -84,9 +85,10 @@ def worker(rank: int, port: int, kind: str, layers: int, args, queue) -> None:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                                 timeout=datetime.timedelta(seconds=args.timeout))
         seconds = one_step(kind, layers, args)
-    except Exception as e:  # out of memory shows up as MemoryError or RuntimeError; anything else is reported
-        if "memory" not in str(e).lower() and not isinstance(e, MemoryError):
-            print(f"rank {rank}, {kind}, {layers} layers: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    except Exception as e:  # out of memory shows up as MemoryError or RuntimeError; every failure is named
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        print(f"rank {rank}, {kind}, {layers} layers: {type(e).__name__}: {str(e)[:200]} "
+              f"({os.path.basename(where.filename)}:{where.lineno})", flush=True)
     queue.put(seconds)
     queue.close()
     queue.join_thread()  # flush before leaving: os._exit skips the queue's feeder thread
