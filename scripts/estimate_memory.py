@@ -3,10 +3,14 @@
     python scripts/estimate_memory.py --model-config configs/gpt2_1.5b.json --num-ranks 64
     python scripts/estimate_memory.py --model-config configs/llama_7b.json --num-ranks 64
     python scripts/estimate_memory.py --num-ranks 2 --offload-optimizer nvme --sub-group-size 100000000
+    python scripts/estimate_memory.py --num-ranks 2 --offload-optimizer nvme --offload-param nvme --max-in-cpu 0
 
 The model family is the one whose config has every key of the JSON (GPT-2's first; a Llama
 config names num_query_groups). With --offload-optimizer nvme, stages 1-3 keep the masters and
-optimizer states on disk (the "disk GiB" column) and only the sub-group buffers in memory.
+optimizer states on disk (the "disk GiB" column) and only the sub-group buffers in memory. With
+--offload-param nvme (stage 3 only) the partitioned parameters are on disk too, and memory keeps
+the persistent parameters (--persistent-params elements, 0 if not given) and at most --max-in-cpu
+cached partition elements.
 """
 
 from __future__ import annotations
@@ -42,20 +46,33 @@ def main(argv=None) -> None:
     parser.add_argument("--buffer-count", type=int, default=4, help="offload_optimizer.buffer_count")
     parser.add_argument("--reduce-bucket-size", type=int, default=500_000_000,
                         help="zero_optimization.reduce_bucket_size")
+    parser.add_argument("--offload-param", choices=["none", "cpu", "nvme"], default="none",
+                        help="zero_optimization.offload_param.device (stage 3)")
+    parser.add_argument("--max-in-cpu", type=int, default=1_000_000_000, help="offload_param.max_in_cpu")
+    parser.add_argument("--persistent-params", type=int, default=0,
+                        help="elements of the parameters under stage3_param_persistence_threshold")
     args = parser.parse_args(argv)
-    offload = args.offload_optimizer == "nvme"
+    params_swapped = args.offload_param == "nvme"
+    offload = args.offload_optimizer == "nvme" or params_swapped
     psi = args.num_params or _count(args.model_config)
     gib = 2 ** 30
     print(f"{psi / 1e6:,.1f} M parameters, {args.num_ranks} data-parallel ranks, {args.precision}, {args.optimizer}")
     if offload:
-        print(f"optimizer offload to nvme: sub_group_size {args.sub_group_size:,}, buffer_count {args.buffer_count}")
+        if args.offload_optimizer == "nvme":
+            print(f"optimizer offload to nvme: sub_group_size {args.sub_group_size:,}, "
+                  f"buffer_count {args.buffer_count}")
+        if params_swapped:
+            print(f"parameter offload to nvme: max_in_cpu {args.max_in_cpu:,}, "
+                  f"{args.persistent_params:,} persistent parameters")
     disk_head = f"{'disk GiB':>12}" if offload else ""
     print(f"{'stage':<7}{'parameters':>12}{'gradients':>12}{'optimizer':>12}{'total GiB':>12}{'ZeRO paper':>12}"
           + disk_head)
-    for stage in range(1 if offload else 0, 4):
+    first = 3 if params_swapped else 1 if offload else 0
+    for stage in range(first, 4):
         e = estimate_zero_memory(psi, args.num_ranks, stage, args.precision, args.optimizer,
                                  args.offload_optimizer, args.sub_group_size, args.buffer_count,
-                                 args.reduce_bucket_size)
+                                 args.reduce_bucket_size, args.offload_param, args.max_in_cpu,
+                                 args.persistent_params)
         paper = paper_zero_memory(psi, args.num_ranks, stage) / gib if args.precision != "fp32" else float("nan")
         disk = f"{e['disk'] / gib:>12.2f}" if offload else ""
         print(f"{stage:<7}{e['parameters'] / gib:>12.2f}{e['gradients'] / gib:>12.2f}"

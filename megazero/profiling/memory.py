@@ -23,22 +23,33 @@ import os
 
 import torch
 
+SWAP_HEADER_BYTES = 4096  # megazero.zero.swap.HEADER_BYTES (not imported: profiling stays light)
 OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "lamb": 8, "sgd": 4, "sgd_no_momentum": 0}
 
 
 def estimate_zero_memory(model_or_num_params, num_ranks: int, stage: int, precision: str = "bf16",
                          optimizer: str = "adam", offload_optimizer: str = "none",
                          sub_group_size: int = 1_000_000_000, buffer_count: int = 4,
-                         reduce_bucket_size: int = 500_000_000) -> dict[str, float]:
+                         reduce_bucket_size: int = 500_000_000, offload_param: str = "none",
+                         max_in_cpu: int = 0, persistent_params: int = 0,
+                         param_swap_files: int = 0) -> dict[str, float]:
     """Per-rank bytes of parameters, gradients and optimizer states for this implementation, in
-    memory ("total") and on disk ("disk").
+    memory ("total") and on disk ("disk"; of which "param_disk" parameters).
 
     offload_optimizer "nvme" (stages 1-3): the masters (16-bit models) and the optimizer states go
     to the swap files, (k + m) Psi/N bytes of disk; memory keeps min(buffer_count, sub-groups)
     sub-group buffers of (k + m) bytes per sub-group element (a sub-group: as many whole master
     chunks, reduce_bucket_size/N elements each, as fit in sub_group_size; one when a chunk is
     larger; at most this rank's whole partition). "cpu" on a
-    CPU-only machine is the in-memory path (host memory on a GPU: the same bytes, on the host)."""
+    CPU-only machine is the in-memory path (host memory on a GPU: the same bytes, on the host).
+
+    offload_param "nvme" (stage 3): the partitions of the partitioned parameters go to swap files,
+    p (Psi - persistent_params)/N bytes of disk plus a 4 KiB header per file (param_swap_files:
+    one per unit and param group, if known); memory keeps the persistent_params whole (those under
+    stage3_param_persistence_threshold; their partitions, 1/N more, too) and at most max_in_cpu
+    cached partition elements between uses (during a step, up to two units' partitions more while
+    they are gathered). Every shard then has its own fp32 master (m = 4 for an fp32 model too),
+    which offload_optimizer "nvme" puts on disk with the optimizer states."""
     if isinstance(model_or_num_params, torch.nn.Module):
         psi = sum(p.numel() for p in model_or_num_params.parameters() if p.requires_grad)
     else:
@@ -47,10 +58,22 @@ def estimate_zero_memory(model_or_num_params, num_ranks: int, stage: int, precis
         raise ValueError(f"precision must be fp32, bf16 or fp16, got {precision!r}")
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0-3, got {stage}")
+    if offload_param not in ("none", "cpu", "nvme"):
+        raise ValueError(f"offload_param must be none, cpu or nvme, got {offload_param!r}")
+    swapped_params = offload_param == "nvme"
+    if swapped_params and stage != 3:
+        raise ValueError(f"parameter offload needs ZeRO stage 3, got stage {stage}")
     p = 4 if precision == "fp32" else 2
-    per_param = OPTIMIZER_STATE_BYTES[optimizer.lower()] + (4 if p == 2 else 0)
+    # a separate fp32 master for 16-bit models, and for every model whose partitions are swapped
+    per_param = OPTIMIZER_STATE_BYTES[optimizer.lower()] + (4 if p == 2 or swapped_params else 0)
     n = num_ranks
     params = p * psi / (n if stage == 3 else 1)
+    param_disk = 0.0
+    if swapped_params:
+        partitioned = (psi - persistent_params) / n
+        # a persistent parameter: whole on every rank, and its partition kept for the optimizer
+        params = p * (persistent_params * (1 + 1 / n) + min(max_in_cpu, partitioned))
+        param_disk = p * partitioned + SWAP_HEADER_BYTES * param_swap_files
     grads = 4 * psi / (n if stage >= 2 else 1)
     optim = per_param * psi / (n if stage >= 1 else 1)
     disk = 0.0
@@ -65,7 +88,7 @@ def estimate_zero_memory(model_or_num_params, num_ranks: int, stage: int, precis
     elif offload_optimizer not in ("none", "cpu"):
         raise ValueError(f"offload_optimizer must be none, cpu or nvme, got {offload_optimizer!r}")
     return {"parameters": params, "gradients": grads, "optimizer_states": optim, "total": params + grads + optim,
-            "disk": disk, "num_params": psi}
+            "disk": disk + param_disk, "param_disk": param_disk, "num_params": psi}
 
 
 def paper_zero_memory(num_params: int, num_ranks: int, stage: int) -> float:

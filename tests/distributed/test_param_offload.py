@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import megazero
 from megazero.data import GPTDataset, IndexedDataset
-from megazero.profiling.memory import tensor_bytes
+from megazero.profiling.memory import engine_memory_report, estimate_zero_memory, tensor_bytes
 from megazero.zero import Init
 from megazero.zero.collectives import traffic
 from megazero.zero.persistent import _packs
@@ -72,6 +72,20 @@ def _init_on_nvme(prefix: str, tmp: str, nvme: dict, reference: dict) -> dict:
             "equal": _equal(reference, result)}
 
 
+def _against_estimate(engine, state) -> dict:
+    """(measured, estimate_zero_memory's) bytes of this rank after a step: parameters, gradients and
+    optimizer states in memory, parameter swap files on disk (bf16, offload_param nvme, max_in_cpu 0)."""
+    psi = sum(shape.numel() for shape in state.parameter_shapes().values())
+    persistent = sum(p.numel() for s in state.parts if s.persistent for p in s.layout.params)
+    estimate = estimate_zero_memory(psi, dist.get_world_size(), 3, "bf16", "adamw", offload_param="nvme",
+                                    max_in_cpu=0, persistent_params=persistent,
+                                    param_swap_files=len(state.param_swap.shards))
+    measured = engine_memory_report(engine)
+    out = {key: (measured[key], estimate[key]) for key in ("parameters", "gradients", "optimizer_states")}
+    out["disk"] = (state.param_swap.disk_bytes(), estimate["param_disk"])
+    return out
+
+
 def _offload_runs(prefix: str, tmp: str) -> dict:
     rank = dist.get_rank()
     nvme = {"device": "nvme", "nvme_path": os.path.join(tmp, "nvme"), "max_in_cpu": 0}
@@ -104,6 +118,7 @@ def _offload_runs(prefix: str, tmp: str) -> dict:
     out["parameter bytes"] = (tensor_bytes(state.memory_tensors()["parameters"]),
                               tensor_bytes(plain.dp.memory_tensors()["parameters"]))
     out["disk"] = swap.disk_bytes()
+    out["measured vs estimate"] = _against_estimate(offloaded, state)
     out["cpu is in-memory"] = cpu.dp.param_swap is None and type(cpu.dp) is type(plain.dp)
     # persistent parameters: one all-gather per pack (reduce_bucket_size), not one per unit
     persistent = [s for s in plain.dp.parts if s.persistent]
@@ -135,7 +150,66 @@ def test_param_offload_equals_in_memory_and_bounds_memory(pools, token_dataset_p
         offloaded, in_memory = r["parameter bytes"]
         assert offloaded < in_memory, r["parameter bytes"]  # only the persistent ones stay
         assert r["disk"] > 0
+        for kind, (measured, estimated) in r["measured vs estimate"].items():  # RAM and disk per rank
+            assert abs(measured - estimated) <= 0.1 * estimated, (kind, r["measured vs estimate"])
         calls, packs, shards = r["persistent gathers"]
         if world_size > 1:
             assert calls == packs < shards, r["persistent gathers"]
         print(r)
+
+
+def _checkpoint_config(stage: int, offload: bool, tmp: str) -> dict:
+    """Micro-batches of 2 at every DP size (accumulation makes up the rest), so that dropout masks
+    follow a micro-batch from one layout to another (as test_zero_checkpoint)."""
+    zero = {"stage": stage, "reduce_bucket_size": 20000, "stage3_param_persistence_threshold": 100}
+    if offload:
+        nvme = os.path.join(tmp, "nvme")
+        zero.update(offload_param={"device": "nvme", "nvme_path": nvme, "max_in_cpu": 0},
+                    offload_optimizer={"device": "nvme", "nvme_path": nvme}, sub_group_size=30000)
+    return base_config(train_micro_batch_size_per_gpu=2, zero_optimization=zero)
+
+
+CKPT_SAVE_AT, CKPT_STEPS = 1, 3
+
+
+def _checkpoint_source(prefix: str, tmp: str) -> dict:
+    """Stage 3 with parameters and optimizer offloaded to NVMe: saves at step 1, goes on to step 3;
+    the same checkpoint continued with offload off (same layout) and at stage 2 (DP=2)."""
+    save_dir = os.path.join(tmp, "ckpt")
+    source = train(_checkpoint_config(3, True, tmp), prefix, CKPT_STEPS, save_dir=save_dir, save_at=CKPT_SAVE_AT)
+    off = train(_checkpoint_config(3, False, tmp), prefix, CKPT_STEPS, load_dir=save_dir)
+    stage2 = train(_checkpoint_config(2, False, tmp), prefix, CKPT_STEPS, load_dir=save_dir)
+    gc.collect()
+    root = os.path.join(tmp, "nvme", ROOT_NAME)
+    return {"source": source, "offload off": off, "stage 2": stage2,
+            "swap left": os.listdir(root) if os.path.isdir(root) else []}
+
+
+def _continues(source: dict, target: dict, exact: bool) -> None:
+    expected = source["losses"][CKPT_SAVE_AT:]
+    assert len(target["losses"]) == len(expected), (expected, target["losses"])
+    for name, value in source["params"].items():
+        if exact:
+            assert torch.equal(target["params"][name], value), name
+        else:
+            torch.testing.assert_close(target["params"][name], value, rtol=0, atol=2e-5, msg=name)
+    if exact:
+        assert target["losses"] == expected
+    else:
+        for a, b in zip(expected, target["losses"]):
+            assert abs(a - b) <= 1e-5 * abs(a), (expected, target["losses"])
+
+
+def test_param_offload_checkpoint_loads_without_offload_and_at_other_layouts(pools, token_dataset_prefix_module,
+                                                                              tmp_path):
+    """A checkpoint of a run with parameters and optimizer on NVMe (DP=2, stage 3) continues as the
+    run itself: bit for bit with offload off at the same layout; to 1e-5 (summation order) at DP=2
+    stage 2 and at DP=1 stage 3 offloaded again."""
+    results = pools(2).run(_checkpoint_source, token_dataset_prefix_module, str(tmp_path))
+    for r in results:
+        assert r["swap left"] == [], r["swap left"]
+        _continues(r["source"], r["offload off"], exact=True)
+        _continues(r["source"], r["stage 2"], exact=False)
+    (dp1,) = pools(1).run(train, _checkpoint_config(3, True, str(tmp_path / "dp1")), token_dataset_prefix_module,
+                          CKPT_STEPS, 0, None, None, str(tmp_path / "ckpt"))
+    _continues(results[0]["source"], dp1, exact=False)
