@@ -2,9 +2,10 @@
 
 Measured against torch's F.rms_norm + autograd at the Llama's shape 8x256x384 (forward + backward,
 2 threads, torch 2.13): 4.6-6.3x faster in fp32 and 6.6x in bf16 on this project's 2-core CPU
-machine (the medians of 7 runs, interleaved), so the Llama's `fused_kernels` uses it on CPU. Its reference is cuda_ops.rms_norm_reference (F.rms_norm in fp32): fp32 within
-1e-5, bf16 within 1e-2 (tests/unit/test_cpu_rms_norm.py). The weight gradient is summed in fixed
-row chunks, then the chunks in order, so it does not depend on the thread count. Inputs the op
+machine (the medians of 7 runs, interleaved), so the Llama's `fused_kernels` uses it on CPU.
+Its reference is cuda_ops.rms_norm_reference (F.rms_norm in fp32): fp32 within 1e-5, bf16 within
+1e-2 (tests/ops/test_cpu_norms.py). The weight gradient is summed in fixed row chunks, then the
+chunks in order, so it does not depend on the thread count. Inputs the op
 does not take (fp16, fp64, mixed dtypes, empty) and a failed build run F.rms_norm.
 """
 
