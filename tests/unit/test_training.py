@@ -148,22 +148,27 @@ PROGRAM = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow
-def test_train_validates_and_a_signal_saves_and_stops(token_dataset_prefix, tmp_path):
+def _run_program(prefix: str, tmp_path, kill_at: int, *flags: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """PROGRAM in a lone process (world size 1) over a tiny engine config: its output and result."""
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "steps_per_print": 1000,
                                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}))
     program = tmp_path / "run.py"
     program.write_text(PROGRAM)
     out = tmp_path / "result.json"
-    kill_at = 3 * 8 + 1  # the first sample of iteration 4 (8 samples per iteration)
     env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)  # a lone process: world size 1
-    proc = subprocess.run([sys.executable, str(program), token_dataset_prefix, str(config), str(out), str(kill_at)],
+        env.pop(key, None)
+    proc = subprocess.run([sys.executable, str(program), prefix, str(config), str(out), str(kill_at), *flags],
                           capture_output=True, text=True, env=env, timeout=300, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    return proc, json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_train_validates_and_a_signal_saves_and_stops(token_dataset_prefix, tmp_path):
+    kill_at = 3 * 8 + 1  # the first sample of iteration 4 (8 samples per iteration)
+    proc, result = _run_program(token_dataset_prefix, tmp_path, kill_at)
     assert "Tiny: 1 parameters, 1 ranks = TP 1 x PP 1 x DP 1, batch 8 = 4 x 2 x 1, torch.float32, peak 1e+11" \
         in proc.stdout, proc.stdout
     assert "received SIGUSR1: checkpoint saved at iteration 4, exiting" in proc.stdout, proc.stdout
@@ -179,21 +184,10 @@ def test_train_validates_and_a_signal_saves_and_stops(token_dataset_prefix, tmp_
 def test_a_run_stopped_by_its_time_budget_ends_validated(token_dataset_prefix, tmp_path):
     """--train-minutes reached between evaluations: the last validation is of the last iteration
     (what the run reached), and the ETA counts down to the budget, not to --train-iters."""
-    config = tmp_path / "ds.json"
-    config.write_text(json.dumps({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "steps_per_print": 1000,
-                                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}))
-    program = tmp_path / "run.py"
-    program.write_text(PROGRAM)
-    out = tmp_path / "result.json"
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
     budget_s = 1e-6 * 60  # --train-minutes 1e-6: past it after the first iteration
-    proc = subprocess.run([sys.executable, str(program), token_dataset_prefix, str(config), str(out), "-1",
-                           "--train-minutes", "1e-6", "--log-interval", "1", "--eval-interval", "4"],
-                          capture_output=True, text=True, env=env, timeout=300, cwd=str(tmp_path))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    # 100,000 iterations to go would be minutes of ETA at any speed; the budget leaves none
+    proc, result = _run_program(token_dataset_prefix, tmp_path, -1, "--train-minutes", "1e-6", "--log-interval",
+                                "1", "--eval-interval", "4", "--train-iters", "100000")
     assert "time budget of 1e-06 min reached at iteration 1" in proc.stdout, proc.stdout
     assert (result["iteration"], result["reason"], result["validated"]) == (1, "time", [1])
     etas = [float(line.split("ETA:")[1].split()[0]) for line in proc.stdout.splitlines() if "ETA:" in line]
