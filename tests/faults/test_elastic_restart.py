@@ -76,7 +76,9 @@ def test_sigkill_of_one_rank_is_restarted_and_resumes_bit_exact(tmp_path, uninte
     victim = rng.randrange(2)
     run, save_dir = _launch(tmp_path, "killed", 1)
     if when == "after-iteration":
-        step = rng.randrange(2, ITERS - 1)
+        # after the line of an iteration past the first save: the save of iteration 2 runs after
+        # its progress line, so a kill right after that line could come before any `latest`
+        step = rng.randrange(SAVE_INTERVAL + 1, ITERS - 1)
         what = f"seed {seed}: SIGKILL rank {victim} after iteration {step} of {ITERS}"
         print(what, flush=True)
         run.wait_for(re.compile(rf"^ iteration +{step}/"))
