@@ -6,7 +6,7 @@ Rows (one file of --size-mb, default 1 GiB, in --dir, default data/aio_bench/ on
                        1 thread (DeepSpeed's defaults), and block 4 MiB / 4 threads
   aio python fallback  AsyncIO(use_op=False): buffered os.pwrite/os.pread on threads
   dd direct            dd bs=4M oflag=direct (write, from /dev/zero) / iflag=direct (read, to /dev/null)
-  torch.save/load      torch.save(tensor, path) / torch.load(path)
+  torch.save/load      torch.save(tensor, path) / torch.load(path, weights_only=True)
 The page cache is kept out of every number: direct I/O bypasses it, and the buffered rows' writes
 are timed up to their fsync, and their file is evicted from the page cache (fsync +
 posix_fadvise(DONTNEED)) before each timed read. Each write goes to a new file. Prints a table and
@@ -128,7 +128,7 @@ class TorchRow:
         self.loaded = None  # the previous load's memory is freed before this one is timed
         evict(self.path)
         start = time.perf_counter()
-        self.loaded = torch.load(self.path)
+        self.loaded = torch.load(self.path, weights_only=True)
         return time.perf_counter() - start
 
     def check(self) -> None:
