@@ -114,7 +114,7 @@ def test_evaluate_text_file_matches_transformers(checkpoints, corpus_prefix, tmp
 HF_SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=32, rms_norm_eps=1e-6, tie_word_embeddings=False)
 HF_THETA = 5000.0
-ENGINE_OVERRIDES = {FAMILY: "llama", "dropout": 0.0, "rope_theta": HF_THETA, "norm_epsilon": 1e-6}
+ENGINE_OVERRIDES = {FAMILY: "llama", "dropout": 0.1, "rope_theta": HF_THETA, "norm_epsilon": 1e-6}  # loss in eval mode
 
 
 def _loss_then_continue(prefix: str, load_dir: str, ids: torch.Tensor) -> dict:
