@@ -80,6 +80,8 @@ def main() -> None:
               "cpus": os.cpu_count(), "runs": []}
     print(f"blend index, 3 datasets x {args.blend_samples:,} samples: {result['blend_index_seconds']:.2f} s",
           flush=True)
+    if args.work_dir:
+        os.makedirs(args.work_dir, exist_ok=True)
     work = tempfile.mkdtemp(dir=args.work_dir, prefix="bench_preprocess_")
     try:
         out_dir = os.path.join(work, "out")
