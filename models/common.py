@@ -19,6 +19,8 @@ import json
 import torch
 import torch.nn as nn
 
+from megazero.meta_device import skeleton
+
 
 class ModelConfig:
     """Mixin for the models' config dataclasses (fields vocab_size, make_vocab_size_divisible_by,
@@ -133,5 +135,5 @@ def count_parameters(model_class, config: ModelConfig) -> int:
     meta device without allocating anything, and without consuming random numbers (building a
     model draws its layers' base seed; a count after a checkpoint's RNG states were restored
     must not move them)."""
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+    with skeleton():
         return model_class(config.whole()).num_parameters()

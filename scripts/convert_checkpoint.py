@@ -15,12 +15,11 @@ from __future__ import annotations
 import argparse
 import os
 
-import torch
-
 from megazero.checkpoint.convert import StageParameter, write_converted
 from megazero.checkpoint.engine_state import resolve_tag
 from megazero.checkpoint.io import CheckpointError
 from megazero.checkpoint.universal import read_parameter_states
+from megazero.meta_device import skeleton
 from megazero.tensor_parallel.utils import partition_of
 from models.common import ModelConfig
 from models.parallelize import build_stage, config_class_for
@@ -31,7 +30,7 @@ def stage_parameters(config: ModelConfig, pp: int) -> list[list[StageParameter]]
     whole = config.whole()  # whole tensors with the target's vocabulary padding: the shards are cut afterwards
     stages = []
     for pp_rank in range(pp):
-        with torch.device("meta"):
+        with skeleton():
             model = build_stage(whole, pp_rank, pp)
         stages.append([StageParameter(model.global_parameter_name(name), *partition_of(p), rows=p.shape[0])
                        for name, p in model.named_parameters()])

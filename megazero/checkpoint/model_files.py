@@ -19,6 +19,7 @@ from megazero.checkpoint.engine_state import resolve_tag
 from megazero.checkpoint.files import FORMAT_VERSION, MODEL_FILES, model_files_in
 from megazero.checkpoint.io import CheckpointError, load_file
 from megazero.checkpoint.universal import ParameterStates
+from megazero.meta_device import skeleton
 from megazero.tensor_parallel.utils import partition_of
 
 
@@ -52,7 +53,7 @@ def load_model(checkpoint_dir: str, tag: str | None = None, *, model_class, conf
     """The whole model from any checkpoint layout (TP shards joined, stages merged, fp32 masters),
     in eval mode."""
     config = saved_model_config(checkpoint_dir, tag, config_class=config_class)
-    with torch.device("meta"):
+    with skeleton():
         model = model_class(config)
     model.load_state_dict(consolidate_fp32_state_dict(checkpoint_dir, tag), strict=True, assign=True)
     return model.eval()
@@ -62,7 +63,7 @@ def write_weights_checkpoint(config, state: dict[str, torch.Tensor], save_dir: s
                              model_class) -> str:
     """A weights-only checkpoint (TP = PP = 1) of `model_class(config)` that engines of any layout
     load, starting their optimizer afresh (e.g. to continue training an imported model)."""
-    with torch.device("meta"):
+    with skeleton():
         model = model_class(config)
     names = [name for name, _ in model.named_parameters()]
     missing = sorted(set(names) - set(state))
