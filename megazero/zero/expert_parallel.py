@@ -55,6 +55,53 @@ def _rank(group) -> int:
     return dist.get_rank(group) if group is not None else 0
 
 
+# ---- the checkpoint format ---------------------------------------------------------------------
+def _export(files: list[dict], key: str) -> ExportedParameterStates:
+    """Whole per-parameter states of one of the states (`key`) from its files (rank order)."""
+    parts = [f[key] for f in files]
+    partitioned = files[0][f"{key}_partitioned"]
+    module = {}
+    if not partitioned:  # a replicated state's weights, under the names of its own file
+        parts = parts[:1]
+        module = dict(zip(parts[0]["param_names"], files[0][f"{key}_weights"]))
+    return export_parameter_states(parts, module, partitioned)
+
+
+def _join_experts(per_rank: list[ExportedParameterStates]) -> ExportedParameterStates:
+    """One ExportedParameterStates with all experts: each EP rank's rows joined along dim 0."""
+    first = per_rank[0]
+    out = ExportedParameterStates(group_of=dict(first.group_of), param_groups=first.param_groups)
+    for name in first.weights:
+        out.weights[name] = torch.cat([e.weights[name] for e in per_rank], dim=EXPERT_DIM)
+        out.optimizer[name] = {k: torch.cat([e.optimizer[name][k] for e in per_rank], dim=EXPERT_DIM)
+                               if torch.is_tensor(v) and v.dim() > 0 else v for k, v in first.optimizer[name].items()}
+    return out
+
+
+def export_expert_parallel(saved: list[dict], module: dict[str, torch.Tensor]) -> ExportedParameterStates:
+    """Whole per-parameter states from every data-parallel rank's file (rank order), experts in
+    global order (EP rank r's rows are experts [r * E/EP, (r + 1) * E/EP)); ValueError when files are
+    missing."""
+    dp, ep = saved[0]["dp_world_size"], saved[0]["ep_size"]
+    if len(saved) != dp or [s["dp_rank"] for s in saved] != list(range(dp)):
+        raise ValueError(f"{len(saved)} expert-parallel state files, but they were written by {dp} ranks")
+    out = ExportedParameterStates()
+    if saved[0]["dense"] is not None:
+        out = _export(saved, "dense")
+    if saved[0]["expert"] is not None:
+        # ranks with the same EP index hold the same experts (dp_rank = expert_dp_rank * ep + ep_rank)
+        experts = _join_experts([_export([s for s in saved if s["ep_rank"] == r], "expert") for r in range(ep)])
+        offset = len(out.param_groups)
+        out.weights.update(experts.weights)
+        out.optimizer.update(experts.optimizer)
+        out.group_of.update({name: g + offset for name, g in experts.group_of.items()})
+        out.param_groups = out.param_groups + experts.param_groups
+    return out
+
+
+register_checkpoint_format(EXPERT_PARALLEL_FORMAT, export_expert_parallel)
+
+
 class _OptimizerView:
     """One state's slice of the shared optimizer: its param groups, state indices renumbered from 0
     (torch numbers parameters consecutively over the groups). The states' checkpoint members read
@@ -90,6 +137,7 @@ class ExpertParallelState:
     checkpoint_format = EXPERT_PARALLEL_FORMAT
     state_partitioned = True  # the experts differ between data-parallel ranks: each writes its file
     params_partitioned = True  # so the model file cannot hold them; the state files do
+    export_parameter_states = staticmethod(export_expert_parallel)
 
     def __init__(self, groups: list[list[torch.nn.Parameter]], stage: int, dp_group, ep_group, expert_dp_group,
                  bucket_numel: int, overlap: bool, isolate: list[torch.nn.Parameter] = ()):
@@ -331,51 +379,6 @@ class ExpertParallelState:
         self._load_optimizer(optimizer, [view for _, _, view in named])
 
 
-# ---- the checkpoint format ---------------------------------------------------------------------
-def _export(files: list[dict], key: str) -> ExportedParameterStates:
-    """Whole per-parameter states of one of the states (`key`) from its files (rank order)."""
-    parts = [f[key] for f in files]
-    partitioned = files[0][f"{key}_partitioned"]
-    module = {}
-    if not partitioned:  # a replicated state's weights, under the names of its own file
-        parts = parts[:1]
-        module = dict(zip(parts[0]["param_names"], files[0][f"{key}_weights"]))
-    return export_parameter_states(parts, module, partitioned)
-
-
-def _join_experts(per_rank: list[ExportedParameterStates]) -> ExportedParameterStates:
-    """One ExportedParameterStates with all experts: each EP rank's rows joined along dim 0."""
-    first = per_rank[0]
-    out = ExportedParameterStates(group_of=dict(first.group_of), param_groups=first.param_groups)
-    for name in first.weights:
-        out.weights[name] = torch.cat([e.weights[name] for e in per_rank], dim=EXPERT_DIM)
-        out.optimizer[name] = {k: torch.cat([e.optimizer[name][k] for e in per_rank], dim=EXPERT_DIM)
-                               if torch.is_tensor(v) and v.dim() > 0 else v for k, v in first.optimizer[name].items()}
-    return out
-
-
-def export_expert_parallel(saved: list[dict], module: dict[str, torch.Tensor]) -> ExportedParameterStates:
-    """Whole per-parameter states from every data-parallel rank's file (rank order), experts in
-    global order (EP rank r's rows are experts [r * E/EP, (r + 1) * E/EP)); ValueError when files are
-    missing."""
-    dp, ep = saved[0]["dp_world_size"], saved[0]["ep_size"]
-    if len(saved) != dp or [s["dp_rank"] for s in saved] != list(range(dp)):
-        raise ValueError(f"{len(saved)} expert-parallel state files, but they were written by {dp} ranks")
-    out = ExportedParameterStates()
-    if saved[0]["dense"] is not None:
-        out = _export(saved, "dense")
-    if saved[0]["expert"] is not None:
-        # ranks with the same EP index hold the same experts (dp_rank = expert_dp_rank * ep + ep_rank)
-        experts = _join_experts([_export([s for s in saved if s["ep_rank"] == r], "expert") for r in range(ep)])
-        offset = len(out.param_groups)
-        out.weights.update(experts.weights)
-        out.optimizer.update(experts.optimizer)
-        out.group_of.update({name: g + offset for name, g in experts.group_of.items()})
-        out.param_groups = out.param_groups + experts.param_groups
-    return out
-
-
-register_checkpoint_format(EXPERT_PARALLEL_FORMAT, export_expert_parallel)
 
 
 def build_expert_parallel_state(config, model: torch.nn.Module, groups: list[list[torch.nn.Parameter]], dp_group,

@@ -11,12 +11,16 @@ dropout mask would be drawn per micro-batch, and the single process runs other m
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
 
 import megazero
 from megazero import parallel_state
+from megazero.checkpoint.consolidate import consolidate_fp32_state_dict
+from megazero.zero import DataParallelState
 
 E, D, TOKENS, BATCH, STEPS = 4, 16, 4, 8, 10
 LOSS_RTOL, PARAM_ATOL = 1e-5, 2e-5
@@ -148,7 +152,11 @@ def run_reference() -> dict:
 
 def run_layouts(ep: int, micro: int) -> dict:
     """ZeRO 0, 1, 2 at this EP size (DP = the world); stage 3 must refuse."""
-    out = {stage: _train(_engine(stage, ep, micro), STEPS) for stage in (0, 1, 2)}
+    out = {}
+    for stage in (0, 1, 2):
+        engine = _engine(stage, ep, micro)
+        assert isinstance(engine.dp, DataParallelState) and engine.dp.stage == stage
+        out[stage] = _train(engine, STEPS)
     try:
         _engine(3, ep, micro)
     except ValueError as e:
@@ -185,10 +193,14 @@ def run_checkpoint_recut(save_dir: str, stage: int) -> dict:
     """Save at EP=2, load at EP=1 (and the same layout), save there, load at EP=2: each load
     continues exactly as the run that saved it."""
     a = _engine(stage, 2, 2)
-    _train(a, 3)
+    saved = _train(a, 3)["params"]
     a.save_checkpoint(save_dir, "ep2")
-    a_next = _train(a, 2, start=3)
-    out = {"a_next": a_next}
+    a.save_16bit_model(save_dir, "model.pt")  # the whole model: experts gathered over the EP group
+    out = {"saved": saved}
+    if dist.get_rank() == 0:
+        out["consolidated"] = consolidate_fp32_state_dict(save_dir, "ep2")  # all experts, global order
+        out["16bit"] = torch.load(os.path.join(save_dir, "model.pt"), weights_only=True)
+    out["a_next"] = _train(a, 2, start=3)
     for name, ep in (("ep1", 1), ("ep2_again", 2)):
         b = _engine(stage, ep, 2)
         b.load_checkpoint(save_dir, "ep2")
@@ -207,6 +219,10 @@ def run_checkpoint_recut(save_dir: str, stage: int) -> dict:
 @pytest.mark.parametrize("stage", [0, 2])
 def test_checkpoint_loads_at_another_ep_size(pools, tmp_path, stage):
     results = pools(2).run(run_checkpoint_recut, str(tmp_path / "ckpt"), stage)
+    for name, whole in results[0]["saved"].items():
+        assert whole.shape[0] == E or name != "experts"
+        torch.testing.assert_close(results[0]["consolidated"][name], whole, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(results[0]["16bit"][name], whole, rtol=0, atol=0, msg=name)
     for rank, result in enumerate(results):
         for name in ("ep1", "ep2_again"):
             _assert_same_run(result["a_next"], result[name], f"ZeRO-{stage} EP=2 -> {name} rank {rank}")
