@@ -87,12 +87,18 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     tied = tied_parameters(model)
     param_swap = make_param_swapper(engine_config, model, dp_group)  # stage 3's parameter offload
     dp_state = build_data_parallel_state(engine_config.zero_optimization, model, [g["params"] for g in groups],
-                                         dp_group, isolate=tied, param_swap=param_swap)
+                                         dp_group, isolate=tied, param_swap=param_swap,
+                                         ep_group=grid.ep_group if grid is not None else None,
+                                         expert_dp_group=grid.expert_dp_group if grid is not None else None)
     dp_state, wrap_optimizer = build_offload(engine_config, dp_state, dp_group)
     optimizer_groups = dp_state.optimizer_groups(groups)
     if optimizer is None:
         optimizer = build_optimizer(engine_config.optimizer, optimizer_groups)
     elif isinstance(optimizer, torch.optim.Optimizer):
+        if len(optimizer_groups) > len(optimizer.param_groups):  # expert parallelism splits each group in two
+            raise ValueError(f"the data-parallel state trains {len(optimizer_groups)} param groups (expert parameters "
+                             f"in groups of their own), the optimizer passed to initialize() has "
+                             f"{len(optimizer.param_groups)}: pass an optimizer callable or an 'optimizer' block")
         for group, new in zip(optimizer.param_groups, optimizer_groups):
             group["params"] = new["params"]
     else:

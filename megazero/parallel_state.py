@@ -6,6 +6,13 @@ highest) and a pipeline stage is a contiguous block of tp * dp ranks:
 
     rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
 
+Expert parallelism (EP) splits the data-parallel dimension, as Megatron core's expert rank
+generator does (order "tp-ep-dp-pp"): dp_rank = expert_dp_rank * ep + ep_rank. The expert-model-
+parallel group is `ep` consecutive members of a data-parallel group (same TP rank and stage),
+which hold different experts; the expert-data-parallel group is the data-parallel members with
+the same EP index, which hold the same experts and average their gradients. E.g. TP=2, DP=4, EP=2
+(8 ranks): EP groups [0,2] [1,3] [4,6] [5,7], expert-DP groups [0,4] [1,5] [2,6] [3,7].
+
 `initialize_model_parallel(tp, pp)` builds the grid once per process and makes this module the
 `mpu` that `megazero.initialize(..., mpu=parallel_state)` accepts (DeepSpeed's convention); the
 library itself receives the groups explicitly, as a `ParallelGrid`.
@@ -34,6 +41,16 @@ class ParallelGrid:
     model_parallel_group: object  # tp x pp: every rank holding a piece of one model replica
     embedding_group: object | None  # first and last pipeline stage (tied word embeddings)
     pp_ranks: list[int]  # global ranks of this rank's pipeline, by stage
+    expert_model_parallel_size: int = 1
+    ep_rank: int = 0  # index in the expert-model-parallel group: holds experts [ep_rank * E/EP, ...)
+    expert_dp_rank: int = 0  # index in the expert-data-parallel group
+    ep_group: object | None = None  # this rank's EP peers (None at EP = 1: no group is built)
+    expert_dp_group: object | None = None  # peers holding the same experts (the dp group at EP = 1)
+
+    @property
+    def expert_data_parallel_size(self) -> int:
+        """Data-parallel replicas of each expert: DP / EP."""
+        return self.data_parallel_size // self.expert_model_parallel_size
 
     @property
     def is_first_stage(self) -> bool:
@@ -51,46 +68,66 @@ def grid_rank(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int) -> int
     return pp_rank * dp * tp + dp_rank * tp + tp_rank
 
 
-def build_grid(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1) -> ParallelGrid:
-    """Create every group of the grid (collective: all ranks call it with the same sizes)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+def grid_groups(world: int, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+                expert_model_parallel_size: int = 1) -> dict[str, list[tuple[int, ...]]]:
+    """Every group of the grid as sorted global-rank tuples, by kind ("tp", "dp", "pp", "mp", and
+    "embedding" with pipelining, "ep" and "expert_dp" with expert parallelism), in the order
+    build_grid() creates them. Pure rank arithmetic: no process group is touched.
+    ValueError names the sizes that do not divide."""
+    tp, pp, ep = tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size
     if tp < 1 or pp < 1 or world % (tp * pp):
         raise ValueError(f"world size {world} is not divisible by tensor_model_parallel_size ({tp}) x "
                          f"pipeline_model_parallel_size ({pp})")
     dp = world // (tp * pp)
+    if ep < 1 or dp % ep:
+        raise ValueError(f"data-parallel size {dp} (world size {world} / tensor_model_parallel_size {tp} / "
+                         f"pipeline_model_parallel_size {pp}) is not divisible by expert_model_parallel_size ({ep})")
     coords = [(r % tp, (r // tp) % dp, r // (tp * dp)) for r in range(world)]
-    tp_rank, dp_rank, pp_rank = coords[rank]
-    mine = {}
+    kinds = {
+        "tp": lambda t, d, p: tuple(grid_rank(i, d, p, tp, dp) for i in range(tp)),
+        "dp": lambda t, d, p: tuple(grid_rank(t, i, p, tp, dp) for i in range(dp)),
+        "pp": lambda t, d, p: tuple(grid_rank(t, d, i, tp, dp) for i in range(pp)),
+        "mp": lambda t, d, p: tuple(grid_rank(i, d, j, tp, dp) for j in range(pp) for i in range(tp)),
+    }
+    if pp > 1:
+        kinds["embedding"] = lambda t, d, p: tuple(grid_rank(t, d, i, tp, dp) for i in sorted({0, pp - 1}))
+    if ep > 1:  # dp_rank = expert_dp_rank * ep + ep_rank
+        kinds["ep"] = lambda t, d, p: tuple(grid_rank(t, d // ep * ep + i, p, tp, dp) for i in range(ep))
+        kinds["expert_dp"] = lambda t, d, p: tuple(grid_rank(t, d % ep + j * ep, p, tp, dp) for j in range(dp // ep))
+    return {name: sorted({members_of(*c) for c in coords}) for name, members_of in kinds.items()}
 
-    def make(name: str, members_of):
+
+def build_grid(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+               expert_model_parallel_size: int = 1) -> ParallelGrid:
+    """Create every group of the grid (collective: all ranks call it with the same sizes)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    tp, pp, ep = tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size
+    groups = grid_groups(world, tp, pp, ep)
+    dp = world // (tp * pp)
+    tp_rank, dp_rank, pp_rank = rank % tp, (rank // tp) % dp, rank // (tp * dp)
+    mine = {}
+    for name, keys in groups.items():
         # every rank creates every group, in the same order (new_group is collective)
-        for key in sorted({members_of(*c) for c in coords}):
+        for key in keys:
             group = dist.new_group(list(key)) if len(key) < world else dist.group.WORLD
             if rank in key:
                 mine[name] = group
-
-    make("tp", lambda t, d, p: tuple(grid_rank(i, d, p, tp, dp) for i in range(tp)))
-    make("dp", lambda t, d, p: tuple(grid_rank(t, i, p, tp, dp) for i in range(dp)))
-    make("pp", lambda t, d, p: tuple(grid_rank(t, d, i, tp, dp) for i in range(pp)))
-    make("mp", lambda t, d, p: tuple(grid_rank(i, d, j, tp, dp) for j in range(pp) for i in range(tp)))
-    if pp > 1:
-        make("embedding", lambda t, d, p: tuple(grid_rank(t, d, i, tp, dp) for i in sorted({0, pp - 1})))
     return ParallelGrid(tp, pp, dp, tp_rank, pp_rank, dp_rank, mine["tp"], mine["pp"], mine["dp"], mine["mp"],
-                        mine.get("embedding"), [grid_rank(tp_rank, dp_rank, i, tp, dp) for i in range(pp)])
+                        mine.get("embedding"), [grid_rank(tp_rank, dp_rank, i, tp, dp) for i in range(pp)],
+                        ep, dp_rank % ep, dp_rank // ep, mine.get("ep"), mine.get("expert_dp", mine["dp"]))
 
 
 _GRID: ParallelGrid | None = None
-_BUILT: dict[tuple[int, int, int], ParallelGrid] = {}  # groups are costly to create: reuse them
+_BUILT: dict[tuple[int, int, int, int], ParallelGrid] = {}  # groups are costly to create: reuse them
 
 
-def initialize_model_parallel(tensor_model_parallel_size: int = 1,
-                              pipeline_model_parallel_size: int = 1) -> ParallelGrid:
+def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+                              expert_model_parallel_size: int = 1) -> ParallelGrid:
     """Build the grid for this process (replacing an earlier one) and return it."""
     global _GRID
-    key = (tensor_model_parallel_size, pipeline_model_parallel_size, dist.get_world_size())
+    key = (tensor_model_parallel_size, pipeline_model_parallel_size, dist.get_world_size(), expert_model_parallel_size)
     if key not in _BUILT:
-        _BUILT[key] = build_grid(tensor_model_parallel_size, pipeline_model_parallel_size)
+        _BUILT[key] = build_grid(tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size)
     _GRID = _BUILT[key]
     return _GRID
 
@@ -127,7 +164,7 @@ def grid_from_mpu(mpu) -> ParallelGrid | None:
     tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
     tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
     return ParallelGrid(tp_size, 1, dist.get_world_size(dp_group), tp_rank, 0, dist.get_rank(dp_group), tp_group,
-                        None, dp_group, tp_group, None, [dist.get_rank()])
+                        None, dp_group, tp_group, None, [dist.get_rank()], expert_dp_group=dp_group)
 
 
 # ---- Megatron's mpu getters --------------------------------------------------------------
@@ -194,3 +231,33 @@ def is_pipeline_first_stage() -> bool:
 def is_pipeline_last_stage() -> bool:
     """True on the last pipeline stage."""
     return get_grid().is_last_stage
+
+
+def get_expert_model_parallel_group():
+    """Process group of this rank's expert-parallel peers (they hold different experts; None at EP = 1)."""
+    return get_grid().ep_group
+
+
+def get_expert_model_parallel_rank() -> int:
+    """This rank's index in its expert-parallel group."""
+    return get_grid().ep_rank
+
+
+def get_expert_model_parallel_world_size() -> int:
+    """Expert-parallel degree."""
+    return get_grid().expert_model_parallel_size
+
+
+def get_expert_data_parallel_group():
+    """Process group over which the expert parameters' gradients are reduced (and ZeRO partitions them)."""
+    return get_grid().expert_dp_group
+
+
+def get_expert_data_parallel_rank() -> int:
+    """This rank's index in its expert-data-parallel group."""
+    return get_grid().expert_dp_rank
+
+
+def get_expert_data_parallel_world_size() -> int:
+    """Expert-data-parallel degree (DP / EP)."""
+    return get_grid().expert_data_parallel_size

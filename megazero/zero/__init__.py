@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from megazero.config import ZeroConfig
+from megazero.zero.expert_parallel import ExpertParallelState, build_expert_parallel_state, is_expert_parameter
 from megazero.zero.init import GatheredParameters, Init
 from megazero.zero.partitioned import PartitionedState
 from megazero.zero.protocol import DataParallelState
@@ -13,13 +14,19 @@ from megazero.zero.sharded import ShardedState
 
 
 def build_data_parallel_state(config: ZeroConfig, model: torch.nn.Module, groups: list[list[torch.nn.Parameter]],
-                              dp_group, isolate: list[torch.nn.Parameter] = (), param_swap=None) -> DataParallelState:
+                              dp_group, isolate: list[torch.nn.Parameter] = (), param_swap=None, ep_group=None,
+                              expert_dp_group=None) -> DataParallelState:
     """The state object (a megazero.zero.protocol.DataParallelState) for `config.stage` over the
     optimizer's param groups (model parameters).
 
     `isolate`: parameters (tied weights) whose reduced gradients are later summed with another
     stage's copy; stages 1-2 give each its own layout so the partitions line up. `param_swap`: stage
-    3's parameter offload (megazero.zero.param_offload.make_param_swapper)."""
+    3's parameter offload (megazero.zero.param_offload.make_param_swapper). A model with expert
+    parameters (`megazero_expert`) gets an ExpertParallelState: its dense parameters over `dp_group`,
+    its experts over `expert_dp_group` (the EP group `ep_group`; None: EP = 1), see
+    megazero.zero.expert_parallel."""
+    if any(is_expert_parameter(p) for g in groups for p in g):
+        return build_expert_parallel_state(config, model, groups, dp_group, ep_group, expert_dp_group, isolate)
     if config.stage == 0:
         return ReplicatedState(groups, dp_group, config.reduce_bucket_size, config.overlap_comm)
     if config.stage == 3:
@@ -29,5 +36,6 @@ def build_data_parallel_state(config: ZeroConfig, model: torch.nn.Module, groups
     return PartitionedState(groups, dp_group, config.reduce_bucket_size, config.overlap_comm, config.stage, isolate)
 
 
-__all__ = ["build_data_parallel_state", "DataParallelState", "Init", "GatheredParameters", "ReplicatedState",
+__all__ = ["build_data_parallel_state", "ExpertParallelState", "is_expert_parameter", "DataParallelState",
+           "Init", "GatheredParameters", "ReplicatedState",
            "PartitionedState", "ShardedState"]

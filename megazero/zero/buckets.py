@@ -53,15 +53,18 @@ class BucketedGradients:
     """Collects gradients of `layout.params` into buckets and reduces them with `reduce_bucket`.
 
     reduce_bucket(bucket, tensor) -> Handle is called with the bucket's fp32 buffer (bucket.numel
-    elements, gradients pre-divided by the data-parallel size).
+    elements, gradients pre-divided by `divisor`: the data-parallel size, unless given; expert
+    parameters reduced over the expert-data-parallel group still divide by the whole data-parallel
+    size, see megazero.zero.expert_parallel).
     """
 
     def __init__(self, layout: FlatLayout, reduce_bucket: Callable[[Bucket, torch.Tensor], Handle],
                  world_size: int, overlap: bool = True, staged: bool = False, device=None,
-                 inflight: InflightLimit | None = None):
+                 inflight: InflightLimit | None = None, divisor: int | None = None):
         self.layout = layout
         self.reduce_bucket = reduce_bucket
         self.world_size = world_size
+        self.divisor = world_size if divisor is None else divisor
         self.overlap = overlap
         self.staged = staged
         device = device or (layout.params[0].device if layout.params else torch.device("cpu"))
@@ -107,7 +110,7 @@ class BucketedGradients:
             slot.copy_(param.grad)
             self._written.add(param)
         param.grad = None
-        if not (self.sync_this_micro_step and self.overlap and self.world_size > 1):
+        if not (self.sync_this_micro_step and self.overlap and max(self.world_size, self.divisor) > 1):
             return
         bucket = self.layout.bucket_of[param]
         self._arrived[bucket.index] = self._arrived.get(bucket.index, 0) + 1
@@ -118,8 +121,8 @@ class BucketedGradients:
 
     def _launch(self, bucket: Bucket) -> None:
         tensor = self.bucket_tensor(bucket)
-        if self.world_size > 1:
-            tensor.div_(self.world_size)  # pre-divide: the sum of averages is the average
+        if self.divisor > 1:
+            tensor.div_(self.divisor)  # pre-divide: the sum of averages is the average
         self._handles[bucket.index] = self.reduce_bucket(bucket, tensor)
         if self.staged:
             self._inflight.track(self._handles[bucket.index], self._staging.pop(bucket.index))

@@ -18,9 +18,9 @@ class MasterPartitions:
     parts: list
     group: object
 
-    def grad_norm(self, counted=None, model_parallel_group=None) -> float:
-        """Global L2 norm of the (loss-scaled) gradients, summed over every rank's partitions (and
-        over the model-parallel group, counting only parameters for which counted(p) is true)."""
+    def grad_norm_squared(self, counted=None) -> torch.Tensor:
+        """Squared L2 norm of the reduced gradients of the parameters with counted(p) true (all when
+        None), summed over every rank's partitions: a float64 scalar, the same on every rank."""
         local = SquaredNormSum()
         for part in self.parts:
             if counted is None:
@@ -28,7 +28,12 @@ class MasterPartitions:
             else:
                 for view, start, numel in counted_slices(part, counted):
                     local.add([part.grad_views[view][start:start + numel]])
-        total = all_reduce_sum(local.total(), group=self.group)
+        return all_reduce_sum(local.total(), group=self.group)
+
+    def grad_norm(self, counted=None, model_parallel_group=None) -> float:
+        """Global L2 norm of the (loss-scaled) gradients, summed over every rank's partitions (and
+        over the model-parallel group, counting only parameters for which counted(p) is true)."""
+        total = self.grad_norm_squared(counted)
         if model_parallel_group is not None:
             total = all_reduce_sum(total, group=model_parallel_group)
         return total.item() ** 0.5  # the step's one host sync: it decides skip and clip

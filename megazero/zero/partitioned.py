@@ -28,7 +28,7 @@ class _GroupPartition:
     """One optimizer param group: its layout, flat parameters, master and gradient chunks."""
 
     def __init__(self, params: list[torch.nn.Parameter], group_index: int, stage: int, group, bucket_numel: int,
-                 overlap: bool, inflight: InflightLimit):
+                 overlap: bool, inflight: InflightLimit, grad_divisor: int | None = None):
         self.group_index = group_index
         self.group = group
         self.world_size = dist.get_world_size(group)
@@ -52,7 +52,7 @@ class _GroupPartition:
             self.masters = [torch.nn.Parameter(view) for view in self.layout.split_partition(flat_master)]
         self.stage = stage
         self.grads = BucketedGradients(self.layout, self._reduce_scatter, self.world_size, overlap,
-                                       staged=stage == 2, device=device, inflight=inflight)
+                                       staged=stage == 2, device=device, inflight=inflight, divisor=grad_divisor)
         if stage == 1:  # reduced gradients stay in the full buffer: this rank's chunk of each bucket
             self.grad_partition = None
             self.grad_views = self.layout.own_chunks(self.grads.buffer, self.rank)
@@ -100,7 +100,8 @@ class PartitionedState(MasterPartitions, PartitionCheckpoint):
     params_partitioned = False
 
     def __init__(self, groups: list[list[torch.nn.Parameter]], group, bucket_numel: int, overlap: bool,
-                 stage: int, isolate: list[torch.nn.Parameter] = ()):
+                 stage: int, isolate: list[torch.nn.Parameter] = (), grad_divisor: int | None = None):
+        # grad_divisor: what the summed gradients are divided by (default: the group's size)
         if stage not in (1, 2):
             raise ValueError(f"PartitionedState handles ZeRO stages 1 and 2, got {stage}")
         self.stage = stage
@@ -113,7 +114,7 @@ class PartitionedState(MasterPartitions, PartitionCheckpoint):
         for gi, g in enumerate(groups):
             plan.append(([p for p in g if id(p) not in alone], gi))
             plan += [([p], gi) for p in g if id(p) in alone]
-        self.parts = [_GroupPartition(params, gi, stage, group, bucket_numel, overlap, inflight)
+        self.parts = [_GroupPartition(params, gi, stage, group, bucket_numel, overlap, inflight, grad_divisor)
                       for params, gi in plan if params]
 
     @property

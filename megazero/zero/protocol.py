@@ -108,7 +108,9 @@ class DataParallelState(Protocol):
     stage: int  # the ZeRO stage: checkpoint metadata and "same layout" comparisons only
     checkpoint_format: ClassVar[str]  # the format of state_dict(), whose exporter is registered
     state_partitioned: bool  # True: each data-parallel rank holds (and saves) its own piece of the state
-    params_partitioned: bool  # True: parameters are partitioned too, empty tensors outside use
+    # True: parameters are not the same whole tensors on every data-parallel rank (ZeRO-3: empty tensors
+    # outside use; expert parallelism: each EP rank's own experts), so the model file holds none of them
+    params_partitioned: bool
 
     # ---- training ----------------------------------------------------------------------------
     @property

@@ -56,13 +56,15 @@ class ReplicatedState:
     params_partitioned = False
     export_parameter_states = staticmethod(export_replicated)
 
-    def __init__(self, groups: list[list[torch.nn.Parameter]], group, bucket_numel: int, overlap: bool):
+    def __init__(self, groups: list[list[torch.nn.Parameter]], group, bucket_numel: int, overlap: bool,
+                 grad_divisor: int | None = None):
         self.group = group
         self.world_size = dist.get_world_size(group)
         params = [p for g in groups for p in g]
         self.master = MasterParams(params)
         self.layout = FlatLayout(params, bucket_numel, 1)
-        self.grads = BucketedGradients(self.layout, self._all_reduce, self.world_size, overlap)
+        # grad_divisor: what the summed gradients are divided by (default: the group's size)
+        self.grads = BucketedGradients(self.layout, self._all_reduce, self.world_size, overlap, divisor=grad_divisor)
 
     def _all_reduce(self, bucket, tensor: torch.Tensor) -> Handle:
         return all_reduce(tensor, self.group, f"gradient bucket {bucket.index}")
@@ -87,16 +89,21 @@ class ReplicatedState:
         """Finish the all-reduce of every bucket."""
         self.grads.finish_reduction()
 
-    def grad_norm(self, counted=None, model_parallel_group=None) -> float:
-        """Global L2 norm of the (loss-scaled) gradients; inf/nan on overflow. Every data-parallel rank
-        holds the whole reduced gradient; with model parallelism the parameters for which counted(p)
-        is true are summed over the model-parallel group."""
+    def grad_norm_squared(self, counted=None) -> torch.Tensor:
+        """Squared L2 norm of the reduced gradients of the parameters with counted(p) true (all when
+        None), as a float64 scalar: every data-parallel rank holds the whole reduced gradient."""
         local = SquaredNormSum()
         if counted is None:
             local.add([self.grads.buffer])
         else:
             local.add([self.grads.grad(p) for p in self.layout.params if counted(p)])
-        total = local.total()
+        return local.total()
+
+    def grad_norm(self, counted=None, model_parallel_group=None) -> float:
+        """Global L2 norm of the (loss-scaled) gradients; inf/nan on overflow. Every data-parallel rank
+        holds the whole reduced gradient; with model parallelism the parameters for which counted(p)
+        is true are summed over the model-parallel group."""
+        total = self.grad_norm_squared(counted)
         if model_parallel_group is not None:
             total = all_reduce_sum(total, group=model_parallel_group)
         return total.item() ** 0.5  # the step's one host sync: it decides skip and clip
