@@ -5,7 +5,8 @@ Measured against torch's F.rms_norm + autograd at the Llama's shape 8x256x384 (f
 machine (the medians of 7 runs, interleaved), so the Llama's `fused_kernels` uses it on CPU.
 Its reference is cuda_ops.rms_norm_reference (F.rms_norm in fp32): fp32 within 1e-5, bf16 within
 1e-2 (tests/ops/test_cpu_norms.py). The weight gradient is summed in fixed row chunks, then the
-chunks in order, so it does not depend on the thread count. Inputs the op
+chunks in order, so it does not depend on the thread count; below 32768 elements one thread
+runs it (a team's wake-up costs more than the work). Inputs the op
 does not take (fp16, fp64, mixed dtypes, empty) and a failed build run F.rms_norm.
 """
 
