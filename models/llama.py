@@ -56,6 +56,7 @@ class LlamaConfig(ModelConfig):
     # applied by models/parallelize.py, not by Llama(config)
     recompute_granularity: str | None = None  # "full": whole layers; "selective": the attention core
     recompute_num_layers: int | None = None  # with "full": the first N layers of each stage (default: all)
+    fused_kernels: bool = True  # megazero's fused RMSNorm: CUDA kernel on GPUs, C++ op on CPUs (where built)
     tensor_model_parallel_size: int = 1  # must equal the size of the tp_group the model is built with
     sequence_parallel: bool = False  # split RMSNorm/dropout activations along the sequence across TP ranks
 

@@ -15,7 +15,8 @@ What it decides, for this rank of the grid:
   (the first recompute_num_layers of the stage, default all) in backward, "selective" only the
   attention core;
 - fused kernels (`apply_fused_kernels`, GPT's config.fused_kernels): megazero's CUDA LayerNorm and
-  bias + GeLU in the MLP, on GPUs, where built.
+  bias + GeLU in the MLP, on GPUs, where built; Llama's config.fused_kernels: megazero's fused
+  RMSNorm (CUDA kernel on GPUs, C++ op on CPUs, where built).
 
 The models themselves (models/gpt.py, models/bert.py) are plain: they take the stage and the
 tp_group as constructor arguments, know nothing of the grid, and GPT(config) / Bert(config)
@@ -186,6 +187,14 @@ def apply_fused_kernels(model: GPT) -> None:
         block.mlp = FusedBiasGeluMLP(block.mlp)
 
 
+def apply_fused_rms_norm(model: nn.Module) -> None:
+    """megazero's fused RMSNorm in every tp.RMSNorm of a Llama (tp.RMSNorm.fused: the CUDA kernel
+    on CUDA tensors, the C++ op on CPU tensors, where built; torch's otherwise)."""
+    for module in model.modules():
+        if isinstance(module, tp.RMSNorm):
+            module.fused = True
+
+
 def _check_grid(config: ModelConfig, grid: ParallelGrid) -> None:
     if config.tensor_model_parallel_size != grid.tensor_model_parallel_size:
         raise ValueError(f"{type(config).__name__}.tensor_model_parallel_size is {config.tensor_model_parallel_size} "
@@ -207,4 +216,6 @@ def parallelize(config: ModelConfig, grid: ParallelGrid | None = None) -> torch.
     apply_recompute(model, config)
     if isinstance(config, GPTConfig) and config.fused_kernels:  # BertConfig has none: torch's kernels
         apply_fused_kernels(model)
+    if isinstance(config, LlamaConfig) and config.fused_kernels:
+        apply_fused_rms_norm(model)
     return model

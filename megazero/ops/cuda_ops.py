@@ -1,4 +1,4 @@
-"""Fused CUDA ops (csrc/cuda_kernels.cu) with their pure-torch references: LayerNorm, scaled masked
+"""Fused CUDA ops (csrc/cuda_kernels.cu) with their pure-torch references: LayerNorm, RMSNorm, scaled masked
 and causal softmax, bias + GeLU (tanh), and multi-tensor Adam/AdamW and LAMB optimizers.
 
 Every public function takes the fused path only for CUDA tensors of a supported dtype and size when
@@ -45,6 +45,11 @@ def layer_norm_reference(x, weight, bias, eps: float) -> torch.Tensor:
     return F.layer_norm(x.float(), x.shape[-1:], weight.float(), bias.float(), eps).to(x.dtype)
 
 
+def rms_norm_reference(x, weight, eps: float) -> torch.Tensor:
+    """F.rms_norm over the last dimension (x / sqrt(mean(x^2) + eps) * weight), computed in fp32."""
+    return F.rms_norm(x.float(), x.shape[-1:], weight.float(), eps).to(x.dtype)
+
+
 def softmax_reference(scores, mask, scale: float, causal: bool) -> torch.Tensor:
     """softmax(scale * scores) with masked positions (mask true, or above the diagonal) at zero."""
     x = scores.float() * scale
@@ -75,6 +80,23 @@ class _LayerNorm(torch.autograd.Function):
         x, weight, mean, rstd = ctx.saved_tensors
         dx, dweight, dbias = cuda_op().layer_norm_backward(dy, x, weight, mean, rstd)
         return dx, dweight, dbias, None
+
+
+class _RMSNorm(torch.autograd.Function):
+    """RMSNorm through `op` (this CUDA op, or the CPU op of cpu_norms.py: the same two functions)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, op):
+        y, rstd = op.rms_norm_forward(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.op = op
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        dx, dweight = ctx.op.rms_norm_backward(dy, x, weight, rstd)
+        return dx, dweight, None, None
 
 
 class _Softmax(torch.autograd.Function):
@@ -109,6 +131,14 @@ def layer_norm(x, weight, bias, eps: float = 1e-5) -> torch.Tensor:
     if _on_fused_device(x) and kernel_checks.layer_norm_takes_kernel(x, weight, bias):
         return _LayerNorm.apply(x, weight, bias, eps)
     return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
+
+
+def rms_norm(x, weight, eps: float | None = None) -> torch.Tensor:
+    """RMSNorm over the last dimension (fused on CUDA); eps None: torch's default (the dtype's eps)."""
+    eps = torch.finfo(x.dtype).eps if eps is None else eps
+    if _on_fused_device(x) and kernel_checks.rms_norm_takes_kernel(x, weight):
+        return _RMSNorm.apply(x, weight, eps, cuda_op())
+    return F.rms_norm(x, x.shape[-1:], weight, eps)
 
 
 def scaled_masked_softmax(scores, mask, scale: float = 1.0) -> torch.Tensor:

@@ -48,6 +48,22 @@ def layer_norm_takes_kernel(x: torch.Tensor, weight: torch.Tensor | None, bias: 
     return x.numel() > 0
 
 
+def rms_norm_takes_kernel(x: torch.Tensor, weight: torch.Tensor | None,
+                          dtypes: tuple[torch.dtype, ...] = KERNEL_DTYPES) -> bool:
+    """Whether a fused RMSNorm (CUDA: any of KERNEL_DTYPES; CPU: `dtypes` float32/bfloat16) takes
+    (x, weight). False (reference): no weight, an empty x, or x in another dtype than the weight
+    or not in `dtypes`. Raises for a weight on another device or not of x's last dimension."""
+    if weight is None:
+        return False
+    op, cols = "rms_norm", x.shape[-1] if x.dim() else None
+    _same_device(op, "weight", weight, x, "x's")
+    if x.dim() == 0 or tuple(weight.shape) != (cols,):
+        raise KernelInputError(f"{op}: weight must have shape [{cols}] (x's last dimension), got {_describe(weight)}")
+    if x.dtype != weight.dtype or x.dtype not in dtypes:
+        return False
+    return x.numel() > 0
+
+
 def softmax_takes_kernel(scores: torch.Tensor, mask: torch.Tensor | None, max_columns: int) -> bool:
     """Whether the fused softmax takes scores [batch, heads, sq, sk] and an optional bool mask that
     broadcasts to them ([batch, 1, sq, sk], [batch, 1, 1, sk], [sq, sk], ...; true = masked out).

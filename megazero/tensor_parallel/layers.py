@@ -183,13 +183,19 @@ class RMSNorm(nn.RMSNorm):
     """nn.RMSNorm (x / rms(x) * weight, no bias or centring) whose weight gradient is summed over
     the TP group when the activations are split along the sequence, as LayerNorm's."""
 
-    def __init__(self, normalized_shape: int, eps: float = 1e-5, tp_group=None, sequence_parallel: bool = False):
+    def __init__(self, normalized_shape: int, eps: float = 1e-5, tp_group=None, sequence_parallel: bool = False,
+                 fused: bool = False):
         super().__init__(normalized_shape, eps=eps)
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel and _rank_and_world(tp_group)[1] > 1
+        self.fused = fused  # megazero's fused RMSNorm: the CUDA kernel on GPUs, the CPU op on CPUs (where built)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = sync_replicated_grad(self.weight, self.tp_group) if self.sequence_parallel else self.weight
+        if self.fused:
+            from megazero.ops import cpu_norms, cuda_ops
+
+            return (cuda_ops if x.is_cuda else cpu_norms).rms_norm(x, weight, self.eps)
         return F.rms_norm(x, self.normalized_shape, weight, self.eps)
 
 

@@ -47,6 +47,30 @@ def test_layer_norm(dtype, cols):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,cols", [(33, 7), (33, 384), (2048, 384), (33, 4100)])
+def test_rms_norm(dtype, rows, cols):
+    x = torch.randn(rows, cols, device="cuda", dtype=dtype)
+    w = (1 + 0.1 * torch.randn(cols, device="cuda")).to(dtype)
+    _compare(lambda x, w: cuda_ops.rms_norm(x, w, 1e-5), lambda x, w: cuda_ops.rms_norm_reference(x, w, 1e-5),
+             [x, w], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_backward_is_bitwise_reproducible(dtype):
+    x = torch.randn(8, 256, 384, device="cuda", dtype=dtype)
+    w = (1 + 0.1 * torch.randn(384, device="cuda")).to(dtype)
+    dy = torch.randn_like(x)
+
+    def grads():
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        cuda_ops.rms_norm(xs, ws, 1e-5).backward(dy)
+        return xs.grad, ws.grad
+
+    first, second = grads(), grads()
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("sk", [16, 257, 2048])
 def test_masked_softmax(dtype, sk):
     scores = torch.randn(2, 3, 5, sk, device="cuda", dtype=dtype)

@@ -15,6 +15,7 @@ from megazero.ops.kernel_checks import (
     bias_gelu_takes_kernel,
     layer_norm_takes_kernel,
     optimizer_tensors,
+    rms_norm_takes_kernel,
     softmax_takes_kernel,
 )
 
@@ -62,6 +63,22 @@ def test_layer_norm_empty_through_the_wrapper():
     assert y.shape == (0, 8)
     y.sum().backward()
     assert x.grad.shape == (0, 8) and torch.equal(w.grad, torch.zeros(8)) and torch.equal(b.grad, torch.zeros(8))
+
+
+# ---- RMSNorm -------------------------------------------------------------------------------------
+def test_rms_norm_checks():
+    x, w = torch.randn(3, 8), torch.ones(8)
+    assert rms_norm_takes_kernel(x, w)
+    assert not rms_norm_takes_kernel(torch.randn(0, 8), w)  # empty: the reference
+    assert not rms_norm_takes_kernel(x.bfloat16(), w)  # mixed dtypes: torch's
+    assert not rms_norm_takes_kernel(x.half(), w.half(), (torch.float32, torch.bfloat16))  # not the CPU op's dtype
+    assert not rms_norm_takes_kernel(x, None)
+    with pytest.raises(KernelInputError, match=r"rms_norm: weight must have shape \[8\].*got .*shape \[7\]"):
+        rms_norm_takes_kernel(x, torch.ones(7))
+    with pytest.raises(KernelInputError, match=r"weight must be on x's device cpu, got torch.float32 on meta"):
+        rms_norm_takes_kernel(x, torch.ones(8, device="meta"))
+    y = cuda_ops.rms_norm(torch.randn(0, 8), w)
+    assert y.shape == (0, 8)
 
 
 # ---- softmax -----------------------------------------------------------------------------------

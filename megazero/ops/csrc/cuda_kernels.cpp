@@ -15,6 +15,8 @@ void multi_tensor_lamb(std::vector<at::Tensor> params, std::vector<at::Tensor> g
 std::vector<at::Tensor> layer_norm_forward(at::Tensor x, at::Tensor gamma, at::Tensor beta, double eps);
 std::vector<at::Tensor> layer_norm_backward(at::Tensor dy, at::Tensor x, at::Tensor gamma, at::Tensor mean,
                                             at::Tensor rstd);
+std::vector<at::Tensor> rms_norm_forward(at::Tensor x, at::Tensor gamma, double eps);
+std::vector<at::Tensor> rms_norm_backward(at::Tensor dy, at::Tensor x, at::Tensor gamma, at::Tensor rstd);
 at::Tensor softmax_forward(at::Tensor x, c10::optional<at::Tensor> mask, double scale, bool causal);
 at::Tensor softmax_backward(at::Tensor dy, at::Tensor y, double scale);
 at::Tensor bias_gelu_forward(at::Tensor x, at::Tensor bias);
@@ -33,6 +35,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("grad_scale_tensor") = py::none());
   m.def("layer_norm_forward", &layer_norm_forward, "LayerNorm forward: (y, mean, rstd)");
   m.def("layer_norm_backward", &layer_norm_backward, "LayerNorm backward: (dx, dgamma, dbeta)");
+  m.def("rms_norm_forward", &rms_norm_forward, "RMSNorm forward: (y, rstd)");
+  m.def("rms_norm_backward", &rms_norm_backward, "RMSNorm backward: (dx, dgamma)");
   m.def("softmax_forward", &softmax_forward, "scaled masked (or causal) softmax forward");
   m.def("softmax_backward", &softmax_backward, "scaled softmax backward");
   m.def("bias_gelu_forward", &bias_gelu_forward, "gelu_tanh(x + bias)");

@@ -1,5 +1,5 @@
 // Megatron-style fused CUDA kernels: multi-tensor Adam/AdamW and LAMB over fp32 masters, LayerNorm
-// forward/backward, scaled masked softmax and scaled causal (upper-triangular masked) softmax
+// and RMSNorm forward/backward, scaled masked softmax and scaled causal (upper-triangular masked) softmax
 // forward/backward, bias + GeLU forward/backward. fp32/fp16/bf16 inputs, fp32 arithmetic.
 // Each has a pure-torch reference in megazero/ops/cuda_ops.py that the tests compare against.
 //
@@ -395,6 +395,74 @@ __global__ void layer_norm_param_final_kernel(const float* partial_gamma, const 
   }
 }
 
+// ---- RMSNorm -----------------------------------------------------------------------------------
+// y = x * rstd * gamma with rstd = 1 / sqrt(mean(x^2) + eps) per row (no centring, no bias).
+template <typename T>
+__global__ void rms_norm_forward_kernel(const T* x, const T* gamma, T* y, float* rstd, int64_t cols, float eps) {
+  __shared__ float shared[32];
+  const int64_t row = blockIdx.x;
+  const T* xr = x + row * cols;
+  float sum = 0.0f;
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    const float v = to_float(xr[c]);
+    sum += v * v;
+  }
+  const float r = rsqrtf(block_sum(sum, shared) / cols + eps);
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
+    y[row * cols + c] = from_float<T>(to_float(xr[c]) * r * to_float(gamma[c]));
+  if (threadIdx.x == 0) rstd[row] = r;
+}
+
+// dx = rstd * (dy * gamma - xhat * mean(dy * gamma * xhat)), xhat = x * rstd; one block per row.
+template <typename T>
+__global__ void rms_norm_backward_input_kernel(const T* dy, const T* x, const T* gamma, const float* rstd, T* dx,
+                                               int64_t cols) {
+  __shared__ float shared[32];
+  const int64_t row = blockIdx.x;
+  const float r = rstd[row];
+  float sum_dyg_xhat = 0.0f;
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
+    sum_dyg_xhat += to_float(dy[row * cols + c]) * to_float(gamma[c]) * to_float(x[row * cols + c]) * r;
+  sum_dyg_xhat = block_sum(sum_dyg_xhat, shared);
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    const float xhat = to_float(x[row * cols + c]) * r;
+    const float dyg = to_float(dy[row * cols + c]) * to_float(gamma[c]);
+    dx[row * cols + c] = from_float<T>(r * (dyg - xhat * sum_dyg_xhat / cols));
+  }
+}
+
+// dgamma pass 1, as LayerNorm's: block (x, y) sums kTileCols columns of dy * xhat over the rows of
+// chunk y (a column's threads take every kTileRows-th row, then add up in a fixed order).
+template <typename T>
+__global__ void rms_norm_param_partials_kernel(const T* dy, const T* x, const float* rstd, float* partial_gamma,
+                                               int64_t rows, int64_t cols, int64_t rows_per_chunk) {
+  __shared__ float sums[kTileRows][kTileCols + 1];
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * kTileCols + threadIdx.x;
+  const int64_t begin = static_cast<int64_t>(blockIdx.y) * rows_per_chunk;
+  const int64_t end = min(begin + rows_per_chunk, rows);
+  float acc = 0.0f;
+  if (col < cols)
+    for (int64_t r = begin + threadIdx.y; r < end; r += kTileRows)
+      acc += to_float(dy[r * cols + col]) * (to_float(x[r * cols + col]) * rstd[r]);
+  sums[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < cols) {
+    float total = 0.0f;
+    for (int i = 0; i < kTileRows; ++i) total += sums[i][threadIdx.x];
+    partial_gamma[blockIdx.y * cols + col] = total;
+  }
+}
+
+// dgamma pass 2: per column, the chunks' partials in chunk order.
+__global__ void rms_norm_param_final_kernel(const float* partial_gamma, float* dgamma, int64_t chunks, int64_t cols) {
+  for (int64_t col = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; col < cols;
+       col += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float total = 0.0f;
+    for (int64_t c = 0; c < chunks; ++c) total += partial_gamma[c * cols + col];
+    dgamma[col] = total;
+  }
+}
+
 // ---- softmax -----------------------------------------------------------------------------------
 // A mask broadcast to [batch, heads, sq, sk]: element strides, 0 along broadcast dimensions.
 struct MaskView {
@@ -635,6 +703,70 @@ std::vector<at::Tensor> layer_norm_backward(at::Tensor dy, at::Tensor x, at::Ten
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return {dx, dgamma.to(gamma.scalar_type()), dbeta.to(gamma.scalar_type())};
+}
+
+std::vector<at::Tensor> rms_norm_forward(at::Tensor x, at::Tensor gamma, double eps) {
+  constexpr const char* op = "rms_norm_forward";
+  check_cuda(op, "x", x);
+  TORCH_CHECK(x.dim() >= 1, op, ": x must have at least one dimension, got ", describe(x));
+  const int64_t cols = x.size(-1), rows = leading_rows(x);
+  check_vector(op, "weight", gamma, x, cols);
+  const c10::cuda::CUDAGuard guard(x.device());
+  x = x.contiguous();
+  at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
+  at::Tensor rstd = at::empty({rows}, x.options().dtype(at::kFloat));
+  if (rows == 0 || cols == 0) return {y, rstd.zero_()};  // nothing to launch, no division by cols
+  check_launchable(op, rows);
+  const at::Tensor g = gamma.contiguous();
+  dispatch_float(x.scalar_type(), [&](auto t) {
+    using T = decltype(t);
+    rms_norm_forward_kernel<T><<<rows, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        x.data_ptr<T>(), g.data_ptr<T>(), y.data_ptr<T>(), rstd.data_ptr<float>(), cols, static_cast<float>(eps));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {y, rstd};
+}
+
+std::vector<at::Tensor> rms_norm_backward(at::Tensor dy, at::Tensor x, at::Tensor gamma, at::Tensor rstd) {
+  constexpr const char* op = "rms_norm_backward";
+  check_cuda(op, "x", x);
+  TORCH_CHECK(x.dim() >= 1, op, ": x must have at least one dimension, got ", describe(x));
+  const int64_t cols = x.size(-1), rows = leading_rows(x);
+  check_same(op, "dy", dy, x);
+  check_vector(op, "weight", gamma, x, cols);
+  TORCH_CHECK(rstd.device() == x.device() && rstd.scalar_type() == at::kFloat && rstd.numel() == rows, op,
+              ": rstd must be float32 on ", x.device(), " with ", rows, " elements, got ", describe(rstd));
+  const c10::cuda::CUDAGuard guard(x.device());
+  dy = dy.contiguous();
+  x = x.contiguous();
+  at::Tensor dx = at::empty_like(x, at::MemoryFormat::Contiguous);
+  at::Tensor dgamma = at::zeros({cols}, x.options().dtype(at::kFloat));
+  if (rows == 0 || cols == 0) return {dx, dgamma.to(gamma.scalar_type())};
+  check_launchable(op, rows);
+  const at::Tensor g = gamma.contiguous(), r = rstd.contiguous();
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  // row chunks for dgamma as LayerNorm's: fixed by the shape, so the sums are deterministic
+  const int64_t rows_per_chunk = std::max<int64_t>(64, (rows + 127) / 128);
+  const int64_t chunks = (rows + rows_per_chunk - 1) / rows_per_chunk;
+  const int64_t col_tiles = (cols + kTileCols - 1) / kTileCols;
+  check_launchable(op, col_tiles);
+  at::Tensor partial_gamma = chunks > 1 ? at::empty({chunks, cols}, dgamma.options()) : dgamma;
+  dispatch_float(x.scalar_type(), [&](auto t) {
+    using T = decltype(t);
+    rms_norm_backward_input_kernel<T><<<rows, kThreads, 0, stream>>>(
+        dy.data_ptr<T>(), x.data_ptr<T>(), g.data_ptr<T>(), r.data_ptr<float>(), dx.data_ptr<T>(), cols);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    rms_norm_param_partials_kernel<T><<<dim3(col_tiles, chunks), dim3(kTileCols, kTileRows), 0, stream>>>(
+        dy.data_ptr<T>(), x.data_ptr<T>(), r.data_ptr<float>(), partial_gamma.data_ptr<float>(), rows, cols,
+        rows_per_chunk);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  if (chunks > 1) {
+    rms_norm_param_final_kernel<<<grid_for(cols), kThreads, 0, stream>>>(partial_gamma.data_ptr<float>(),
+                                                                          dgamma.data_ptr<float>(), chunks, cols);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  return {dx, dgamma.to(gamma.scalar_type())};
 }
 
 // x: [batch, heads, sq, sk]; mask: bool (true = masked out) broadcastable to x ([batch, 1, sq, sk],
