@@ -35,6 +35,18 @@ def write_token_dataset(prefix: str) -> str:
     return prefix
 
 
+@pytest.fixture(autouse=True)
+def _rng_tracker_left_as_found():
+    """The tensor-parallel RNG tracker is process-wide: a test that seeds it here (as
+    model_parallel_seed does) would change the dropout masks every later test in this process
+    draws, so each test leaves it as it found it (empty, unless a test seeded it on purpose)."""
+    from megazero.tensor_parallel.random import get_rng_tracker
+
+    saved = get_rng_tracker().get_states()
+    yield
+    get_rng_tracker().set_states(saved)
+
+
 @pytest.fixture(scope="session")
 def pools():
     """pools(n) -> a ProcessPool of n gloo ranks, started once per session and reused."""
