@@ -83,9 +83,12 @@ def main(argv=None) -> dict:
     _, grid, tokenizer = training.start_run(args)
     model = parallelize(GPTConfig.from_json(args.model_config, vocab_size=tokenizer.vocab_size,
                                             **training.model_overrides(args)), grid)
-    train = training.build_datasets(args, lambda indexed, split: GPTDataset(indexed, model.config.seq_length,
-                                                                            seed=args.seed)).train
-    check_token_ids(train.indexed, tokenizer.vocab_size, args.tokenizer_model)
+
+    def make(indexed, split: str) -> GPTDataset:  # each dataset checked (a blend has no one .indexed)
+        check_token_ids(indexed, tokenizer.vocab_size, args.tokenizer_model)
+        return GPTDataset(indexed, model.config.seq_length, seed=args.seed)
+
+    train = training.build_datasets(args, make).train
     config = training.engine_config(args)
     config.pop("tensorboard", None)
     config["scheduler"] = {"type": "LRRangeTest", "params": {

@@ -66,7 +66,8 @@ def validation_metrics(engine, valid: dict[str, BertDataset], weights: dict[str,
 
 def run_validation(engine, valid: dict[str, BertDataset], weights: dict[str, float], args, rank: int) -> float:
     """Evaluate each validation dataset, print and log (with several: each one's as
-    `lm loss validation/<name>`, then their weighted mean); returns the validation loss."""
+    `lm loss validation/<name>`, then their weighted mean as `lm loss validation`); returns the
+    validation loss."""
     results, result = validation_metrics(engine, valid, weights, args)
     it = engine.global_steps
     if len(results) > 1:
@@ -80,7 +81,14 @@ def run_validation(engine, valid: dict[str, BertDataset], weights: dict[str, flo
             extra = (f" | mlm loss: {result['mlm']:.4f} | mlm PPL: {math.exp(result['mlm']):.1f} | "
                      f"{engine.module.config.binary_head} accuracy: {result['sentence_accuracy']:.3f}")
         print(f" validation at iteration {it} | lm loss: {result['loss']:.4f}{extra}", flush=True)
-    engine.monitor.write(it, {f"validation/{k}": v for k, v in result.items()})
+    # Megatron's names, as the GPT recipe logs them: `lm loss validation` (here the masked-LM plus
+    # the sentence-head loss, the console's lm loss), `mlm loss validation` (and its ppl) and the
+    # sentence head's `sop/nsp accuracy validation`
+    scalars = {"lm loss validation": result["loss"]}
+    if "mlm" in result:
+        scalars.update({"mlm loss validation": result["mlm"], "mlm loss validation ppl": math.exp(result["mlm"]),
+                        f"{engine.module.config.binary_head} accuracy validation": result["sentence_accuracy"]})
+    engine.monitor.write(it, scalars)
     engine.monitor.flush()
     return result["loss"]
 

@@ -15,6 +15,7 @@ so that a partition of the input files (`first_document`) splits exactly as a wh
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 import multiprocessing
 import re
@@ -69,31 +70,38 @@ class Options:
 _STATE: dict = {}
 
 
-def init_worker(model_path: str, split_sentences: bool) -> None:
-    """Load the tokenizer once per worker process (one sentencepiece thread: the workers are the parallelism)."""
+def init_worker(model_path: str, split_sentences: bool, threads: int = 1) -> None:
+    """Load the tokenizer once per worker process, encoding with `threads` sentencepiece threads
+    (1 in a pool, whose processes are the parallelism; -1, every core, when tokenizing inline)."""
     import sentencepiece as spm
 
     from megazero.data.tokenizer import NEWLINE
 
-    sp = spm.SentencePieceProcessor(model_file=model_path, num_threads=1)
+    sp = spm.SentencePieceProcessor(model_file=model_path, num_threads=threads)
     _STATE.update(sp=sp, newline=sp.piece_to_id(NEWLINE), eod=sp.eos_id(), sentences=split_sentences,
                   dtype=best_dtype(sp.get_piece_size()), vocab=sp.get_piece_size())
 
 
-def _encode_texts(texts: list[str]) -> list[list[int]]:
-    """encode() of each text, in one batch call over all their lines (the same ids as line by line)."""
+def _encode_flat(texts: list[str], end: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens back to back, sizes) of encode(text) + [end] for each text (no end: None): every
+    line of every text in one batch call, joined by the newline id (the same ids as
+    SentencePieceTokenizer.encode), assembled by C-level iteration (chain, fromiter) rather than a
+    Python generator over every token, which cost a quarter of the time of the encode itself."""
     lines = [t.split("\n") for t in texts]
-    flat = _STATE["sp"].encode([line for doc in lines for line in doc])
-    out, at, newline = [], 0, _STATE["newline"]
-    for doc in lines:
-        ids: list[int] = []
-        for i, line_ids in enumerate(flat[at:at + len(doc)]):
-            if i:
-                ids.append(newline)
-            ids.extend(line_ids)
-        out.append(ids)
-        at += len(doc)
-    return out
+    flat = _STATE["sp"].encode(list(itertools.chain.from_iterable(lines)))
+    newline = _STATE["newline"]
+    for ids in flat:  # each line but a text's last ends with a newline: append one to all, then fix the last
+        ids.append(newline)
+    line_counts = np.fromiter(map(len, lines), np.int64, len(lines))
+    for last in (np.cumsum(line_counts) - 1).tolist():
+        if end is None:
+            flat[last].pop()
+        else:
+            flat[last][-1] = end
+    line_sizes = np.fromiter(map(len, flat), np.int64, len(flat))
+    sizes = np.add.reduceat(line_sizes, np.cumsum(line_counts) - line_counts) if len(texts) else line_sizes
+    tokens = np.fromiter(itertools.chain.from_iterable(flat), _STATE["dtype"], int(sizes.sum()))
+    return tokens, sizes.astype(np.int32)
 
 
 @dataclass
@@ -109,21 +117,24 @@ class Encoded:
 
 
 def encode_chunk(chunk: list[tuple[int, str]]) -> dict[int, Encoded]:
-    """Tokenize a chunk of (split, text) documents; {split: Encoded}."""
+    """Tokenize a chunk of (split, text) documents; {split: Encoded} (numpy arrays: cheap to send
+    back from a worker, where lists of ints would be pickled one int at a time)."""
     out = {}
     for split in sorted({s for s, _ in chunk}):
         texts = [t for s, t in chunk if s == split]
         if _STATE["sentences"]:
-            per_doc = [[ids for ids in _encode_texts(split_sentences(t)) if ids] for t in texts]
-            sequences = [ids for doc in per_doc for ids in doc]
-            ends = np.cumsum([len(doc) for doc in per_doc], dtype=np.int64)
+            per_doc = [split_sentences(t) for t in texts]
+            tokens, sizes = _encode_flat(list(itertools.chain.from_iterable(per_doc)), None)
+            # a sentence that encodes to nothing is no sequence; a document ends after the kept
+            # sentences up to its last one (one without any sentence ends where the previous did)
+            kept = sizes > 0
+            kept_before = np.concatenate([[0], np.cumsum(kept, dtype=np.int64)])
+            ends = kept_before[np.cumsum([len(d) for d in per_doc], dtype=np.int64)]
+            sizes = sizes[kept]
         else:
-            eod = _STATE["eod"]
-            sequences = [ids + [eod] for ids in _encode_texts(texts)]
-            ends = np.arange(1, len(sequences) + 1, dtype=np.int64)
-        sizes = np.array([len(s) for s in sequences], dtype=np.int32)
-        tokens = np.fromiter((t for s in sequences for t in s), dtype=_STATE["dtype"], count=int(sizes.sum()))
-        out[split] = Encoded(tokens, sizes, ends, sum(len(t) for t in texts),
+            tokens, sizes = _encode_flat(texts, _STATE["eod"])
+            ends = np.arange(1, len(sizes) + 1, dtype=np.int64)
+        out[split] = Encoded(tokens, sizes, ends.astype(np.int64), sum(len(t) for t in texts),
                              np.bincount(tokens, minlength=_STATE["vocab"]).astype(np.int64))
     return out
 
@@ -264,8 +275,11 @@ def tokenize_files(files: list[str], prefix: str, model_path: str, opts: Options
             yield chunk
 
     try:
+        # inline (1 worker), sentencepiece's encode uses every core, as before streaming; in a pool
+        # each worker encodes with one thread (the workers are the parallelism)
+        threads = 1 if opts.workers > 1 else -1
         for result in ordered_map(encode_chunk, texts(), opts.workers, init_worker,
-                                  (model_path, opts.split_sentences)):
+                                  (model_path, opts.split_sentences, threads)):
             for split, part in result.items():
                 writers[split].add(part.tokens, part.sizes, part.ends)
                 stats[split].tokens += len(part.tokens)

