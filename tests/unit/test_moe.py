@@ -142,3 +142,25 @@ def test_grouped_experts_match_a_per_token_loop(activation):
         assert (dropped == 0.0) if factor is None else (factor == 1.0 or dropped > 0.0)
         assert all(p.megazero_expert for p in layer.experts.parameters())
         assert not hasattr(layer.router.weight, "megazero_expert")
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_models_use_moe_every_freq_th_layer_and_train_on_the_aux_loss(model):
+    from models.gpt import GPT, MLP, GPTConfig
+    from models.llama import Llama, LlamaConfig, SwiGLU
+
+    cls, config_cls, dense = (GPT, GPTConfig, MLP) if model == "gpt" else (Llama, LlamaConfig, SwiGLU)
+    shape = dict(vocab_size=100, seq_length=8, num_layers=3, hidden_size=16, num_attention_heads=2,
+                 make_vocab_size_divisible_by=16)
+    assert all(isinstance(b.mlp, dense) for b in cls(config_cls(**shape)).blocks)  # off by default
+    torch.manual_seed(0)
+    moe = cls(config_cls(**shape, num_experts=4, moe_layer_freq=2, moe_capacity_factor=1.0, moe_z_loss_coeff=1e-3))
+    assert [type(b.mlp).__name__ for b in moe.blocks] == ["MoELayer", dense.__name__, "MoELayer"]
+    assert moe.blocks[0].mlp.experts.activation == ("gelu" if model == "gpt" else "swiglu")
+    ids = torch.randint(0, 100, (2, 8))
+    eval_loss = moe.eval()(ids, labels=ids)
+    aux = moe_aux_loss(moe)
+    assert aux.item() > 0
+    torch.testing.assert_close(moe.train()(ids, labels=ids), eval_loss + aux)  # dropout 0: only the aux loss differs
+    with pytest.raises(ValueError, match="sequence_parallel is not supported"):
+        config_cls(**shape, num_experts=4, sequence_parallel=True)
