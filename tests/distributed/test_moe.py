@@ -2,7 +2,9 @@
 the single-process layer built from the same seed on the whole batch: outputs, input gradients,
 the experts' gradients (this rank's slice / TP shard of the reference's), the router's gradient
 (summed over the EP group), the auxiliary losses and the statistics, in dropless and capacity
-mode (the same tokens dropped). Also the all-to-all autograd function on its own."""
+mode (the same tokens dropped). Also the all-to-all autograd function on its own, and a 2-layer
+MoE GPT at EP = DP = 2 against the single-process GPT on the whole batch (loss and every gradient,
+averaged over DP as the engine does)."""
 
 from __future__ import annotations
 
@@ -113,11 +115,44 @@ def _all_to_all_gradients() -> None:
     _close(local.grad, whole[rank].grad, "all_to_all backward")
 
 
+def _moe_gpt_matches_single_process() -> None:
+    from models.gpt import GPT, GPTConfig
+
+    group = dist.new_group([0, 1])
+    rank, dp = dist.get_rank(group), dist.get_world_size(group)
+    config = GPTConfig(vocab_size=100, seq_length=8, num_layers=2, hidden_size=16, num_attention_heads=2,
+                       make_vocab_size_divisible_by=16, num_experts=4, moe_capacity_factor=1.0, moe_z_loss_coeff=1e-3)
+    torch.manual_seed(0)
+    model = GPT(config, ep_group=group)
+    torch.manual_seed(0)
+    reference = GPT(config)
+    ids = torch.randint(0, 100, (4, 8), generator=torch.Generator().manual_seed(3))
+    loss = model(ids[2 * rank:2 * rank + 2], labels=ids[2 * rank:2 * rank + 2])  # EP = DP = 2: half the batch
+    loss.backward()
+    expected = reference(ids, labels=ids)
+    expected.backward()
+    mean = loss.detach().clone()
+    dist.all_reduce(mean, group=group)
+    _close(mean / dp, expected.detach(), "GPT loss (the DP average)")
+    for name, param in model.named_parameters():
+        full = reference.get_parameter(name).grad
+        grad = param.grad.clone()
+        if getattr(param, "megazero_expert", False):
+            # these experts' gradients already hold every DP rank's tokens (the all-to-all brought
+            # them here): the engine's average divides them by the DP size, reducing over expert-DP only
+            first = param.megazero_expert_first
+            full = full[first:first + param.shape[0]]
+        else:
+            dist.all_reduce(grad, group=group)
+        _close(grad / dp, full, f"GPT {name} grad")
+
+
 def test_expert_parallel_layer_matches_single_process(pools):
     pool = pools(2)
     pool.run(_all_to_all_gradients)
     dropped = pool.run(_expert_parallel_matches_single_process)[0]
     assert dropped[0] == 0.0 and dropped[1] > 0.0 and dropped[2] > 0.0  # dropless, then capacity mode drops
+    pool.run(_moe_gpt_matches_single_process)
 
 
 def test_tensor_parallel_experts_match_single_process(pools):
