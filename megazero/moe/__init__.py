@@ -2,8 +2,8 @@
 
 from megazero.moe.capacity import DispatchPlan, expert_capacity, plan_dispatch
 from megazero.moe.experts import GroupedExperts
-from megazero.moe.layer import MoEConfig, MoELayer, moe_aux_loss
+from megazero.moe.layer import MoEConfig, MoELayer, moe_aux_loss, moe_stats
 from megazero.moe.router import Router, Routing, load_balancing_loss, z_loss
 
-__all__ = ["MoEConfig", "MoELayer", "moe_aux_loss", "Router", "Routing", "load_balancing_loss", "z_loss",
+__all__ = ["MoEConfig", "MoELayer", "moe_aux_loss", "moe_stats", "Router", "Routing", "load_balancing_loss", "z_loss",
            "GroupedExperts", "DispatchPlan", "expert_capacity", "plan_dispatch"]

@@ -40,7 +40,11 @@ def dispatch(x: torch.Tensor, plan: DispatchPlan, topk: int, ep_group) -> tuple[
     send_splits = kept[rank].sum(1).tolist()
     received = kept[:, rank]  # [source rank, my local expert]
     recv_splits = received.sum(1).tolist()
-    rows = all_to_all(x[plan.order // topk], recv_splits, send_splits, ep_group)
+    # one row per assignment (token-major), then the kept ones: every index below is unique, so
+    # the backward has no scatter-add with collisions (deterministic on GPUs too); a token's k
+    # copies are summed by expand's backward
+    per_assignment = x.unsqueeze(1).expand(-1, topk, -1).reshape(-1, x.shape[1])
+    rows = all_to_all(per_assignment[plan.order], recv_splits, send_splits, ep_group)
     # received rows are source-major, expert-minor; a stable sort by expert keeps the source order
     expert_of_row = torch.arange(num_local, device=x.device).repeat(ep).repeat_interleave(received.flatten())
     regroup = torch.sort(expert_of_row, stable=True).indices
@@ -57,5 +61,7 @@ def combine(rows: torch.Tensor, weights: torch.Tensor, num_tokens: int, state: D
     sent = all_to_all(rows[back], state.send_splits, state.recv_splits, state.ep_group)
     order = state.plan.order
     scaled = sent * weights.reshape(-1)[order].unsqueeze(1).to(sent.dtype)
-    out = sent.new_zeros((num_tokens, rows.shape[1]))
-    return out.index_add(0, order // state.topk, scaled)
+    # each assignment into its own slot (unique indices), then a fixed-order sum over the k slots:
+    # deterministic, and the same summation order at every EP size
+    slots = sent.new_zeros((num_tokens * state.topk, rows.shape[1])).index_copy(0, order, scaled)
+    return slots.view(num_tokens, state.topk, -1).sum(1)

@@ -10,7 +10,7 @@ router's weight is an ordinary replicated parameter; the experts' parameters car
 `megazero_expert = True` (their gradients are reduced over the expert-data-parallel group).
 
 Auxiliary losses and statistics are left on the layer after each forward (one clean place for
-the model to add them and for the trainer to log them):
+the model to add them and for the trainer to log them; moe_stats(model) gathers them for logging):
     last_aux_losses  {"load_balancing": coeff * Switch loss, "z_loss": coeff * router z-loss},
                      scalar tensors in the autograd graph; aux_loss() is their sum
     last_stats       {"dropped_fraction", "tokens_per_expert_min", "tokens_per_expert_max"},
@@ -107,3 +107,20 @@ class MoELayer(nn.Module):
 def moe_aux_loss(model: nn.Module) -> torch.Tensor | float:
     """Sum of the auxiliary losses of every MoELayer in `model` after its forward (0.0 without any)."""
     return sum((m.aux_loss() for m in model.modules() if isinstance(m, MoELayer) and m.last_aux_losses), 0.0)
+
+
+def moe_stats(model: nn.Module) -> dict[str, float]:
+    """What a trainer logs after a forward of `model` (empty without MoE layers): the weighted
+    auxiliary losses summed over the MoE layers ("load_balancing", "z_loss"), the fraction of
+    routing assignments dropped (mean over the layers) and the fewest/most tokens routed to one
+    expert in any layer ("tokens_per_expert_min", "tokens_per_expert_max")."""
+    layers = [m for m in model.modules() if isinstance(m, MoELayer) and m.last_stats]
+    if not layers:
+        return {}
+    return {
+        "load_balancing": sum(m.last_aux_losses["load_balancing"].item() for m in layers),
+        "z_loss": sum(m.last_aux_losses["z_loss"].item() for m in layers),
+        "dropped_fraction": sum(float(m.last_stats["dropped_fraction"]) for m in layers) / len(layers),
+        "tokens_per_expert_min": min(float(m.last_stats["tokens_per_expert_min"]) for m in layers),
+        "tokens_per_expert_max": max(float(m.last_stats["tokens_per_expert_max"]) for m in layers),
+    }

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megazero.moe import MoEConfig, MoELayer, Router, moe_aux_loss, plan_dispatch
+from megazero.moe import MoEConfig, MoELayer, Router, moe_aux_loss, moe_stats, plan_dispatch
 from megazero.moe.capacity import expert_capacity
 
 
@@ -162,5 +162,9 @@ def test_models_use_moe_every_freq_th_layer_and_train_on_the_aux_loss(model):
     aux = moe_aux_loss(moe)
     assert aux.item() > 0
     torch.testing.assert_close(moe.train()(ids, labels=ids), eval_loss + aux)  # dropout 0: only the aux loss differs
+    stats = moe_stats(moe)
+    assert stats["load_balancing"] + stats["z_loss"] == pytest.approx(aux.item(), rel=1e-6)
+    assert 0 < stats["dropped_fraction"] < 1 and stats["tokens_per_expert_min"] <= stats["tokens_per_expert_max"]
+    assert moe_stats(cls(config_cls(**shape))) == {}
     with pytest.raises(ValueError, match="sequence_parallel is not supported"):
         config_cls(**shape, num_experts=4, sequence_parallel=True)
