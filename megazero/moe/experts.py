@@ -10,9 +10,10 @@ first_expert + E_local), their weights stacked along dim 0 (nn.Linear's [out, in
 
 Row i of a stacked parameter is global expert first_expert + i, so a checkpoint maps it back with
 `first_expert` (also on each parameter as `megazero_expert_first`, with `megazero_num_experts` = E
-and the expert dimension 0). Every expert parameter carries `megazero_expert = True`: it exists
-on one EP rank only, so its gradient is reduced over the expert-data-parallel group, not the
-whole data-parallel group.
+and the expert dimension 0): `merge_expert_slices` puts the EP ranks' tensors back into the
+[E, ...] tensor of global indices, `expert_slice` cuts rank r's out of it at any EP size.
+Every expert parameter carries `megazero_expert = True`: it exists on one EP rank only, so its
+gradient is reduced over the expert-data-parallel group, not the whole data-parallel group.
 
 Initialisation builds all E experts' weights from the default generator (seeded alike on every
 rank) and keeps this rank's slice, so with the same seed rank r's experts are exactly experts
@@ -49,6 +50,19 @@ def _normal(std: float) -> InitMethod:
     return lambda t: nn.init.normal_(t, mean=0.0, std=std)
 
 
+def expert_slice(full: torch.Tensor, ep_size: int, ep_rank: int) -> torch.Tensor:
+    """EP rank ep_rank's experts [r*E/EP, (r+1)*E/EP) of a stacked [E, ...] expert tensor (a view)."""
+    if full.shape[0] % ep_size:
+        raise ValueError(f"num_experts {full.shape[0]} is not divisible by the expert-parallel size {ep_size}")
+    per_rank = full.shape[0] // ep_size
+    return full[ep_rank * per_rank:(ep_rank + 1) * per_rank]
+
+
+def merge_expert_slices(slices: list[torch.Tensor]) -> torch.Tensor:
+    """The [E, ...] tensor of global expert indices from every EP rank's slice, in EP rank order."""
+    return torch.cat(slices, dim=0)
+
+
 class GroupedExperts(nn.Module):
     """E_local MLP experts (see the module docstring for the layout, naming and initialisation)."""
 
@@ -60,7 +74,7 @@ class GroupedExperts(nn.Module):
         ep, tp = group_size(ep_group), group_size(tp_group)
         if num_experts % ep:
             raise ValueError(f"num_experts {num_experts} is not divisible by the expert-parallel size {ep}")
-        self.num_experts, self.activation, self.tp_group = num_experts, activation, tp_group
+        self.num_experts, self.activation, self.ep_group, self.tp_group = num_experts, activation, ep_group, tp_group
         self.num_local_experts = num_experts // ep
         self.first_expert = group_rank(ep_group) * self.num_local_experts
         divide(ffn_hidden_size, tp, "moe ffn_hidden_size")
@@ -82,7 +96,7 @@ class GroupedExperts(nn.Module):
         full = torch.empty(shape)
         with torch.no_grad():
             init(full)
-        local = full[self.first_expert:self.first_expert + self.num_local_experts]
+        local = expert_slice(full, group_size(self.ep_group), group_rank(self.ep_group))
         tp = group_size(self.tp_group)
         if tp_dim is not None and tp > 1:
             local = shard_of(local, tp_dim, tp, group_rank(self.tp_group), stride)

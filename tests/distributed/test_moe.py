@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from megazero.moe import MoEConfig, MoELayer
 from megazero.moe.comm import all_to_all
-from megazero.moe.experts import GroupedExperts
+from megazero.moe.experts import GroupedExperts, expert_slice, merge_expert_slices
 from megazero.tensor_parallel.utils import shard_of
 
 TOL = dict(rtol=1e-6, atol=1e-6)
@@ -74,6 +74,12 @@ def _expert_parallel_matches_single_process() -> list[float]:
         dropped.append(layer.last_stats["dropped_fraction"].item())
     with pytest.raises(ValueError, match="num_experts 3 is not divisible by the expert-parallel size 2"):
         GroupedExperts(3, 16, 24, ep_group=group)
+    # a checkpoint's [E, ...] tensors from the ranks' slices, re-cut at another EP size
+    gathered = [torch.empty_like(layer.experts.fc1_weight) for _ in range(ep)]
+    dist.all_gather(gathered, layer.experts.fc1_weight.detach(), group=group)
+    whole = merge_expert_slices(gathered)
+    _close(whole, reference.experts.fc1_weight.detach(), "merged expert slices")
+    _close(expert_slice(whole, 4, 3), reference.experts.fc1_weight.detach()[3:], "EP=4 slice of rank 3")
     return dropped
 
 
