@@ -97,6 +97,33 @@ class StageContract:
         return count_parameters(type(self), self.config)
 
 
+def check_moe(config: ModelConfig) -> None:
+    """The mixture-of-experts fields (GPT's and Llama's num_experts, moe_*) must make sense together."""
+    if config.num_experts is None:
+        return
+    if config.num_experts < 1 or config.moe_router_topk not in (1, 2) or config.moe_router_topk > config.num_experts:
+        raise ValueError(f"num_experts {config.num_experts} needs moe_router_topk 1 or 2 (at most num_experts), "
+                         f"got {config.moe_router_topk}")
+    if config.moe_layer_freq < 1:
+        raise ValueError(f"moe_layer_freq must be at least 1, got {config.moe_layer_freq}")
+    if config.sequence_parallel:
+        raise ValueError("num_experts with sequence_parallel is not supported: the MoE layer takes the whole "
+                         "sequence on every tensor-parallel rank")
+
+
+def moe_layer_config(config: ModelConfig, layer: int, activation: str, output_init_std: float):
+    """The megazero.moe.MoEConfig of layer `layer` (0-based), or None where that layer keeps its dense
+    MLP: no experts configured, or layer % moe_layer_freq != 0 (Megatron's --moe-layer-freq)."""
+    if config.num_experts is None or layer % config.moe_layer_freq:
+        return None
+    from megazero.moe import MoEConfig
+
+    return MoEConfig(hidden_size=config.hidden_size, ffn_hidden_size=config.ffn_hidden_size,
+                     num_experts=config.num_experts, router_topk=config.moe_router_topk,
+                     capacity_factor=config.moe_capacity_factor, aux_loss_coeff=config.moe_aux_loss_coeff,
+                     z_loss_coeff=config.moe_z_loss_coeff, activation=activation, output_init_std=output_init_std)
+
+
 def normal_init(std: float):
     """Initialiser drawing N(0, std) (GPT-2 and BERT use 0.02)."""
     return lambda tensor: nn.init.normal_(tensor, mean=0.0, std=std)

@@ -28,8 +28,18 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megazero import tensor_parallel as tp
+from megazero.moe import MoELayer, moe_aux_loss
 from megazero.tensor_parallel.random import get_rng_tracker
-from models.common import ModelConfig, StageContract, check_tp_group, normal_init, seeded, vocabulary_init
+from models.common import (
+    ModelConfig,
+    StageContract,
+    check_moe,
+    check_tp_group,
+    moe_layer_config,
+    normal_init,
+    seeded,
+    vocabulary_init,
+)
 from models.generation import CausalLMGeneration
 
 
@@ -53,6 +63,14 @@ class GPTConfig(ModelConfig):
     fused_kernels: bool = True  # on GPUs, megazero's CUDA LayerNorm and bias + GeLU (where built)
     tensor_model_parallel_size: int = 1  # must equal the size of the tp_group the model is built with
     sequence_parallel: bool = False  # split LayerNorm/dropout activations along the sequence across TP ranks
+    # mixture of experts (Megatron's flags): every moe_layer_freq-th layer (0, freq, ...) has num_experts
+    # experts in place of its MLP (megazero/moe/); None: the dense model
+    num_experts: int | None = None
+    moe_router_topk: int = 2
+    moe_layer_freq: int = 1
+    moe_capacity_factor: float | None = None  # None: dropless
+    moe_aux_loss_coeff: float = 0.01  # load-balancing loss weight, added to the training loss
+    moe_z_loss_coeff: float = 0.0  # router z-loss weight
 
     def __post_init__(self):
         if self.hidden_size % self.num_attention_heads:
@@ -63,6 +81,7 @@ class GPTConfig(ModelConfig):
         if self.recompute_granularity not in (None, "full", "selective"):
             raise ValueError(f"recompute_granularity must be 'full' or 'selective', got {self.recompute_granularity!r}")
         self.check_tensor_parallel()
+        check_moe(self)
         tp_size = self.tensor_model_parallel_size
         if self.sequence_parallel and self.seq_length % tp_size:
             raise ValueError(f"sequence_parallel: seq_length {self.seq_length} is not divisible by "
@@ -134,15 +153,18 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer layer: x + drop(attn(ln(x))), then x + drop(mlp(ln(x)))."""
+    """Pre-LayerNorm transformer layer: x + drop(attn(ln(x))), then x + drop(mlp(ln(x))). Layer
+    `layer` of an MoE config has a megazero.moe.MoELayer of GeLU experts as its mlp (experts split
+    over ep_group)."""
 
-    def __init__(self, config: GPTConfig, tp_group=None):
+    def __init__(self, config: GPTConfig, tp_group=None, layer: int = 0, ep_group=None):
         super().__init__()
         sp = config.sequence_parallel
         self.ln_1 = tp.LayerNorm(config.hidden_size, config.layernorm_epsilon, tp_group, sp)
         self.attn = CausalSelfAttention(config, tp_group)
         self.ln_2 = tp.LayerNorm(config.hidden_size, config.layernorm_epsilon, tp_group, sp)
-        self.mlp = MLP(config, tp_group)
+        moe = moe_layer_config(config, layer, "gelu", 0.02 / math.sqrt(2 * config.num_layers))
+        self.mlp = MLP(config, tp_group) if moe is None else MoELayer(moe, ep_group, tp_group)
         self.dropout = config.dropout
         self.sequence_parallel = sp
 
@@ -166,10 +188,12 @@ class GPT(StageContract, CausalLMGeneration, nn.Module):
     LayerNorm, head and loss). A stage without pre_process takes `hidden_states` instead of ids;
     one without post_process returns its hidden states. The plain model: parallelize(config)
     adds the config's recomputation and fused kernels. generate(): models/generation.py.
+    ep_group: the expert-parallel group of the MoE layers (config.num_experts; None: all experts
+    here). In training, the loss includes the MoE layers' auxiliary losses (of this stage's layers).
     """
 
     def __init__(self, config: GPTConfig, tp_group=None, layers: range | None = None, pre_process: bool = True,
-                 post_process: bool = True):
+                 post_process: bool = True, ep_group=None):
         super().__init__()
         check_tp_group(config, tp_group)
         self.config = config
@@ -191,7 +215,7 @@ class GPT(StageContract, CausalLMGeneration, nn.Module):
         blocks = []
         for i in self.layers:
             with seeded(base_seed + 1 + i):
-                blocks.append(Block(config, tp_group))
+                blocks.append(Block(config, tp_group, i, ep_group))
         self.blocks = nn.ModuleList(blocks)
         if post_process:
             self.ln_f = tp.LayerNorm(config.hidden_size, config.layernorm_epsilon, tp_group, config.sequence_parallel)
@@ -239,4 +263,9 @@ class GPT(StageContract, CausalLMGeneration, nn.Module):
         x = self.embed(input_ids) if self.pre_process else hidden_states
         for block in self.blocks:
             x = block(x)
-        return self.head(x, labels) if self.post_process else x
+        if not self.post_process:
+            return x
+        out = self.head(x, labels)
+        if labels is not None and self.training and self.config.num_experts is not None:
+            out = out + moe_aux_loss(self)  # load-balancing and z-losses of the MoE layers' forward above
+        return out

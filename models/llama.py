@@ -31,8 +31,18 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megazero import tensor_parallel as tp
+from megazero.moe import MoELayer, moe_aux_loss
 from megazero.tensor_parallel.random import get_rng_tracker
-from models.common import ModelConfig, StageContract, check_tp_group, normal_init, seeded, vocabulary_init
+from models.common import (
+    ModelConfig,
+    StageContract,
+    check_moe,
+    check_tp_group,
+    moe_layer_config,
+    normal_init,
+    seeded,
+    vocabulary_init,
+)
 from models.generation import CausalLMGeneration
 
 
@@ -59,6 +69,14 @@ class LlamaConfig(ModelConfig):
     fused_kernels: bool = True  # megazero's fused RMSNorm: CUDA kernel on GPUs, C++ op on CPUs (where built)
     tensor_model_parallel_size: int = 1  # must equal the size of the tp_group the model is built with
     sequence_parallel: bool = False  # split RMSNorm/dropout activations along the sequence across TP ranks
+    # mixture of experts (Megatron's flags): every moe_layer_freq-th layer (0, freq, ...) has num_experts
+    # experts in place of its MLP (megazero/moe/); None: the dense model
+    num_experts: int | None = None
+    moe_router_topk: int = 2
+    moe_layer_freq: int = 1
+    moe_capacity_factor: float | None = None  # None: dropless
+    moe_aux_loss_coeff: float = 0.01  # load-balancing loss weight, added to the training loss
+    moe_z_loss_coeff: float = 0.0  # router z-loss weight
 
     def __post_init__(self):
         heads = self.num_attention_heads
@@ -76,6 +94,7 @@ class LlamaConfig(ModelConfig):
         if self.recompute_granularity not in (None, "full", "selective"):
             raise ValueError(f"recompute_granularity must be 'full' or 'selective', got {self.recompute_granularity!r}")
         self.check_tensor_parallel()
+        check_moe(self)
         if self.sequence_parallel and self.seq_length % self.tensor_model_parallel_size:
             raise ValueError(f"sequence_parallel: seq_length {self.seq_length} is not divisible by "
                              f"tensor_model_parallel_size {self.tensor_model_parallel_size}")
@@ -189,15 +208,18 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-RMSNorm transformer layer: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
+    """Pre-RMSNorm transformer layer: x + drop(attn(norm(x))), then x + drop(mlp(norm(x))). Layer
+    `layer` of an MoE config has a megazero.moe.MoELayer of SwiGLU experts as its mlp (Mixtral's
+    shape; experts split over ep_group)."""
 
-    def __init__(self, config: LlamaConfig, tp_group=None):
+    def __init__(self, config: LlamaConfig, tp_group=None, layer: int = 0, ep_group=None):
         super().__init__()
         sp = config.sequence_parallel
         self.norm_1 = tp.RMSNorm(config.hidden_size, config.norm_epsilon, tp_group, sp)
         self.attn = GroupedQueryAttention(config, tp_group)
         self.norm_2 = tp.RMSNorm(config.hidden_size, config.norm_epsilon, tp_group, sp)
-        self.mlp = SwiGLU(config, tp_group)
+        moe = moe_layer_config(config, layer, "swiglu", 0.02 / math.sqrt(2 * config.num_layers))
+        self.mlp = SwiGLU(config, tp_group) if moe is None else MoELayer(moe, ep_group, tp_group)
         self.dropout = config.dropout
         self.sequence_parallel = sp
 
@@ -219,10 +241,11 @@ class Llama(StageContract, CausalLMGeneration, nn.Module):
     tp_group, layers, pre_process, post_process: as GPT's (models/gpt.py). The output layer is
     `lm_head` (column-parallel over the vocabulary), or the word embedding `wte` itself when
     untie_embeddings_and_output_weights is False (then a pipelined last stage holds a tied copy).
+    ep_group: the expert-parallel group of the MoE layers, as GPT's.
     """
 
     def __init__(self, config: LlamaConfig, tp_group=None, layers: range | None = None, pre_process: bool = True,
-                 post_process: bool = True):
+                 post_process: bool = True, ep_group=None):
         super().__init__()
         check_tp_group(config, tp_group)
         self.config = config
@@ -240,7 +263,7 @@ class Llama(StageContract, CausalLMGeneration, nn.Module):
         blocks = []
         for i in self.layers:
             with seeded(base_seed + 1 + i):
-                blocks.append(Block(config, tp_group))
+                blocks.append(Block(config, tp_group, i, ep_group))
         self.blocks = nn.ModuleList(blocks)
         if post_process:
             self.norm_f = tp.RMSNorm(config.hidden_size, config.norm_epsilon, tp_group, config.sequence_parallel)
@@ -303,4 +326,9 @@ class Llama(StageContract, CausalLMGeneration, nn.Module):
         x = self.embed(input_ids) if self.pre_process else hidden_states
         for block in self.blocks:
             x = block(x)
-        return self.head(x, labels) if self.post_process else x
+        if not self.post_process:
+            return x
+        out = self.head(x, labels)
+        if labels is not None and self.training and self.config.num_experts is not None:
+            out = out + moe_aux_loss(self)  # load-balancing and z-losses of the MoE layers' forward above
+        return out

@@ -179,12 +179,13 @@ class FusedBiasGeluMLP(nn.Module):
 
 def apply_fused_kernels(model: GPT) -> None:
     """megazero's CUDA kernels in a GPT: every LayerNorm's (tp.LayerNorm.fused: on CUDA tensors,
-    where built) and bias + GeLU in every MLP (FusedBiasGeluMLP)."""
+    where built) and bias + GeLU in every MLP (FusedBiasGeluMLP; not in MoE layers' experts)."""
     for module in model.modules():
         if isinstance(module, tp.LayerNorm):
             module.fused = True
     for block in model.blocks:
-        block.mlp = FusedBiasGeluMLP(block.mlp)
+        if isinstance(block.mlp, MLP):
+            block.mlp = FusedBiasGeluMLP(block.mlp)
 
 
 def apply_fused_rms_norm(model: nn.Module) -> None:

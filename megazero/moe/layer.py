@@ -1,0 +1,126 @@
+"""MoELayer: router -> capacity/dropping -> all-to-all dispatch -> grouped experts -> combine.
+
+    y = MoELayer(config, ep_group, tp_group)(x)      # x [..., hidden] -> y [..., hidden]
+    loss = loss + layer.aux_loss()                   # the weighted auxiliary losses of that forward
+
+The layer takes its process groups as arguments: `ep_group` (the expert-parallel group: E/EP
+experts here, see megazero/moe/experts.py for the parameter layout and naming; None or one rank:
+all experts local) and `tp_group` (tensor parallelism inside the experts; None: none). The
+router's weight is an ordinary replicated parameter; the experts' parameters carry
+`megazero_expert = True` (their gradients are reduced over the expert-data-parallel group).
+
+Auxiliary losses and statistics are left on the layer after each forward (one clean place for
+the model to add them and for the trainer to log them; moe_stats(model) gathers them for logging):
+    last_aux_losses  {"load_balancing": coeff * Switch loss, "z_loss": coeff * router z-loss},
+                     scalar tensors in the autograd graph; aux_loss() is their sum
+    last_stats       {"dropped_fraction", "tokens_per_expert_min", "tokens_per_expert_max"},
+                     detached scalars (routed assignments per expert, before dropping)
+Both are over the tokens of the whole EP group (the statistics are summed over it, with the
+gradients summed back in backward: megazero/moe/comm.py): every EP rank gets the same values,
+the values of the single process on the concatenated batch. Each rank adds them to its loss,
+and the data-parallel average of the ranks' losses is then the single-process loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from megazero.moe.capacity import plan_dispatch
+from megazero.moe.comm import all_gather_counts, all_reduce_sum, group_rank
+from megazero.moe.dispatch import combine, dispatch
+from megazero.moe.experts import GroupedExperts
+from megazero.moe.router import Router, load_balancing_loss, z_loss
+
+
+@dataclass
+class MoEConfig:
+    """Shape and routing of one MoE layer (Megatron's flag in brackets)."""
+
+    hidden_size: int
+    ffn_hidden_size: int  # of each expert
+    num_experts: int  # [--num-experts]
+    router_topk: int = 2  # 1 or 2 [--moe-router-topk]
+    capacity_factor: float | None = None  # None: dropless [--moe-capacity-factor]
+    aux_loss_coeff: float = 0.01  # load-balancing loss weight [--moe-aux-loss-coeff]
+    z_loss_coeff: float = 0.0  # router z-loss weight [--moe-z-loss-coeff]
+    score_order: str = "softmax_topk"  # or "topk_softmax" (see megazero/moe/router.py)
+    activation: str = "gelu"  # "gelu" (GPT: fc1, GeLU, fc2, with biases) or "swiglu" (Llama)
+    init_std: float = 0.02  # router and fc1
+    output_init_std: float = 0.02  # fc2 (GPT scales it by 1/sqrt(2 * layers))
+
+
+class MoELayer(nn.Module):
+    """Mixture of experts in place of an MLP (see the module docstring)."""
+
+    def __init__(self, config: MoEConfig, ep_group=None, tp_group=None):
+        super().__init__()
+        self.config, self.ep_group = config, ep_group
+        self.router = Router(config.hidden_size, config.num_experts, config.router_topk, config.score_order,
+                             config.init_std)
+        self.experts = GroupedExperts(config.num_experts, config.hidden_size, config.ffn_hidden_size,
+                                      config.activation, ep_group, tp_group, config.init_std,
+                                      config.output_init_std)
+        self.last_aux_losses: dict[str, torch.Tensor] = {}
+        self.last_stats: dict[str, torch.Tensor] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., hidden] -> the experts' combined output, same shape and dtype."""
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        routing = self.router(tokens)
+        num_experts, topk = self.config.num_experts, self.config.router_topk
+        local_counts = torch.bincount(routing.experts.reshape(-1), minlength=num_experts)
+        routed = all_gather_counts(local_counts, self.ep_group)  # [EP, E]: offsets and split sizes
+        plan = plan_dispatch(routing.experts, routed, group_rank(self.ep_group), self.config.capacity_factor)
+        rows, state = dispatch(tokens, plan, topk, self.ep_group)
+        out = self.experts(rows, state.rows_per_expert)
+        y = combine(out, routing.weights, tokens.shape[0], state)
+        self._record(routing.probs, routing.logits, plan.routed, plan.kept)
+        return y.to(x.dtype).reshape(shape)
+
+    def _record(self, probs: torch.Tensor, logits: torch.Tensor, routed: torch.Tensor, kept: torch.Tensor) -> None:
+        """The auxiliary losses and statistics over the whole EP group's tokens."""
+        topk = self.config.router_topk
+        sums = all_reduce_sum(torch.cat([probs.sum(0), torch.logsumexp(logits, -1).square().sum().view(1)]),
+                              self.ep_group)
+        per_expert = routed.sum(0)
+        num_tokens = per_expert.sum() / topk
+        self.last_aux_losses = {
+            "load_balancing": self.config.aux_loss_coeff * load_balancing_loss(sums[:-1], per_expert, num_tokens,
+                                                                                topk),
+            "z_loss": self.config.z_loss_coeff * z_loss(sums[-1], num_tokens),
+        }
+        self.last_stats = {
+            "dropped_fraction": (1.0 - kept.sum() / routed.sum()).float().detach(),
+            "tokens_per_expert_min": per_expert.min().float(),
+            "tokens_per_expert_max": per_expert.max().float(),
+        }
+
+    def aux_loss(self) -> torch.Tensor:
+        """Sum of the weighted auxiliary losses of the last forward (in the autograd graph)."""
+        return sum(self.last_aux_losses.values())
+
+
+def moe_aux_loss(model: nn.Module) -> torch.Tensor | float:
+    """Sum of the auxiliary losses of every MoELayer in `model` after its forward (0.0 without any)."""
+    return sum((m.aux_loss() for m in model.modules() if isinstance(m, MoELayer) and m.last_aux_losses), 0.0)
+
+
+def moe_stats(model: nn.Module) -> dict[str, float]:
+    """What a trainer logs after a forward of `model` (empty without MoE layers): the weighted
+    auxiliary losses summed over the MoE layers ("load_balancing", "z_loss"), the fraction of
+    routing assignments dropped (mean over the layers) and the fewest/most tokens routed to one
+    expert in any layer ("tokens_per_expert_min", "tokens_per_expert_max")."""
+    layers = [m for m in model.modules() if isinstance(m, MoELayer) and m.last_stats]
+    if not layers:
+        return {}
+    return {
+        "load_balancing": sum(m.last_aux_losses["load_balancing"].item() for m in layers),
+        "z_loss": sum(m.last_aux_losses["z_loss"].item() for m in layers),
+        "dropped_fraction": sum(float(m.last_stats["dropped_fraction"]) for m in layers) / len(layers),
+        "tokens_per_expert_min": min(float(m.last_stats["tokens_per_expert_min"]) for m in layers),
+        "tokens_per_expert_max": max(float(m.last_stats["tokens_per_expert_max"]) for m in layers),
+    }
