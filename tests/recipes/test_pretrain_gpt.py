@@ -67,17 +67,3 @@ def test_pretrain_gpt_trains_logs_saves_and_resumes(corpus_prefix, tmp_path):
     assert "at iteration 200" in resumed and "iteration    220/220" in resumed
     assert "global_step220" in os.listdir(tmp_path / "ckpt")
 
-
-def test_recipe_with_tensor_parallel_then_resumed_pipelined(corpus_prefix, tmp_path):
-    """TP=2 for 40 iterations (sample printed: TP peers generate together), then the same
-    checkpoint resumed as PP=2 (loaded directly at the other layout) to iteration 60."""
-    out = _run_recipe(corpus_prefix, tmp_path, 40, ("--tensor-model-parallel-size", "2", "--sequence-parallel"))
-    assert "TP 2 x PP 1 x DP 1" in out and "----- sample -----" in out
-    losses = [float(x) for x in re.findall(r"\| lm loss: ([0-9.]+) \| learning rate", out)]
-    assert len(losses) == 4 and losses[-1] < losses[0], out
-    resumed = _run_recipe(corpus_prefix, tmp_path, 60, ("--pipeline-model-parallel-size", "2"))
-    assert "TP 1 x PP 2 x DP 1" in resumed and "resumed from" in resumed and "at iteration 40" in resumed
-    more = [float(x) for x in re.findall(r"\| lm loss: ([0-9.]+) \| learning rate", resumed)]
-    assert len(more) == 2 and more[0] < losses[0], resumed
-    val = [float(x) for x in re.findall(r"validation at iteration \d+ \| lm loss: ([0-9.]+)", resumed)]
-    assert val and val[-1] < losses[0]

@@ -4,7 +4,9 @@ pieces are 8,192 rows at TP=2 and 8,064 at TP=1 (make_vocab_size_divisible_by 12
 
 torchrun on 2 gloo ranks, the real corpus: 4 iterations at TP=2 and a checkpoint, then iterations
 5-8 continued from it at TP=2, at PP=2 and at DP=2 with ZeRO-2. Before padding was left out of the
-model, PP=2 and DP=2 dropped 128 trained rows and their losses differed from TP=2's by ~1e-2.
+model, PP=2 and DP=2 dropped 128 trained rows and their losses differed from TP=2's by ~1e-2. The
+same runs check what a user sees of the layouts: the banner, the TP=2 sample (TP peers generate
+together), the resume line and the final validation of the pipelined run.
 
 Dropout stays at the recipe's default, 0: each continuation here changes TP, and attention
 dropout masks are drawn per TP rank inside the tensor-parallel region (Megatron's design), so with
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -60,13 +63,18 @@ def _zero2_config(tmp_path) -> str:
 
 def test_recipe_continues_at_other_layouts_where_the_vocabulary_pads_differently(corpus_prefix, tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    _recipe(corpus_prefix, tmp_path, "source", 4, ("--tensor-model-parallel-size", "2", "--save", ckpt))
+    source = _recipe(corpus_prefix, tmp_path, "source", 4, ("--tensor-model-parallel-size", "2", "--save", ckpt))
+    # the sample at the end of a TP=2 run: the TP peers generate together
+    assert "TP 2 x PP 1 x DP 1" in source and "----- sample -----" in source, source[-3000:]
     continued = {}
     layouts = [("tp2", ("--tensor-model-parallel-size", "2")), ("pp2", ("--pipeline-model-parallel-size", "2")),
                ("dp2_zero2", ("--deepspeed_config", _zero2_config(tmp_path)))]
+    banners = {"tp2": "TP 2 x PP 1 x DP 1", "pp2": "TP 1 x PP 2 x DP 1", "dp2_zero2": "TP 1 x PP 1 x DP 2"}
     for name, flags in layouts:
         out = _recipe(corpus_prefix, tmp_path, name, 8, ("--load", ckpt, *flags))
-        assert "resumed from" in out and "at iteration 4" in out, out[-3000:]
+        assert banners[name] in out and "resumed from" in out and "at iteration 4" in out, out[-3000:]
+        # the run ends validated, also pipelined (the last stage computes the loss)
+        assert re.search(r"validation at iteration 8 \| lm loss: [0-9.]+", out), out[-3000:]
         assert "rows saved" not in out, out[-3000:]  # only padding rows were added or dropped: no warning
         losses = _losses(tmp_path, name)
         assert sorted(losses) == [5, 6, 7, 8], losses
