@@ -294,35 +294,47 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         return (total / self.gradient_accumulation_steps()).float().cpu()
 
     def _train_batch_pipelined(self, data_iter) -> torch.Tensor:
-        """train_batch() through the 1F1B schedule: every stage reads the same micro-batches; the
-        first stage feeds the inputs, later stages take hidden_states from their predecessor."""
-        from megazero.pipeline import StageLinks, one_f_one_b
+        """train_batch() through the 1F1B schedule (interleaved when the module holds several model
+        chunks, megazero.pipeline.ModelChunks): every stage reads the same micro-batches; the first
+        virtual stage feeds the inputs, later ones take hidden_states from their predecessor."""
+        from megazero.pipeline import StageLinks, interleaved_one_f_one_b, one_f_one_b
+        from megazero.pipeline.chunks import MODEL_CHUNK, model_chunks
 
         grid, micro = self.grid, self.gradient_accumulation_steps()
+        num_chunks = len(model_chunks(self.module))
         batches = [self.to_device(next(data_iter)) for _ in range(micro)]
         links = StageLinks(grid.pp_ranks, grid.pp_rank, grid.pp_group, self.config.compute_dtype, self.device,
-                           self.timers)
+                           self.timers, ring=num_chunks > 1)
         losses = []
 
-        def forward_step(m: int, received: torch.Tensor | None) -> torch.Tensor:
+        def forward_step(chunk: int, m: int, received: torch.Tensor | None) -> torch.Tensor:
             kwargs = dict(batches[m]) if received is None else {**batches[m], HIDDEN_STATES: received}
+            if num_chunks > 1:
+                kwargs[MODEL_CHUNK] = chunk
             self._pipeline_micro = m
             try:
                 output = self(**kwargs)
             finally:
                 self._pipeline_micro = None
-            if grid.is_last_stage:
+            if grid.is_last_stage and chunk == num_chunks - 1:
                 losses.append(output.detach().float())
             return output
 
-        def backward_step(m: int, output: torch.Tensor, output_grad: torch.Tensor | None) -> None:
-            if output_grad is None:  # the last stage's output is the loss
+        def backward_step(chunk: int, m: int, output: torch.Tensor, output_grad: torch.Tensor | None) -> None:
+            if output_grad is None:  # the last virtual stage's output is the loss
                 output = self._scaled_loss(output, micro)
             self._backward(output, output_grad)
-            if m < micro - 1:
+            # one micro-step per micro-batch, ended by its last backward here (chunk 0's); the
+            # boundary backward, the stage's last, is chunk 0's of the last micro-batch
+            if chunk == 0 and m < micro - 1:
                 self.step()
 
-        one_f_one_b(micro, grid.pp_rank, grid.pipeline_model_parallel_size, links, forward_step, backward_step)
+        stage, stages = grid.pp_rank, grid.pipeline_model_parallel_size
+        if num_chunks > 1:
+            interleaved_one_f_one_b(micro, stage, stages, num_chunks, links, forward_step, backward_step)
+        else:
+            one_f_one_b(micro, stage, stages, links, lambda m, x: forward_step(0, m, x),
+                        lambda m, y, g: backward_step(0, m, y, g))
         self.step()  # the optimizer step, once this stage has sent its last input gradient
         mean = torch.stack(losses).mean() if losses else torch.zeros((), dtype=torch.float32, device=self.device)
         dist.broadcast(mean, src=grid.pp_ranks[-1], group=grid.pp_group)

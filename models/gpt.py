@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megazero import tensor_parallel as tp
-from megazero.tensor_parallel.random import get_rng_tracker
+from megazero.tensor_parallel.random import get_rng_tracker, layer_stream
 from models.common import ModelConfig, StageContract, check_tp_group, normal_init, seeded, vocabulary_init
 from models.generation import CausalLMGeneration
 
@@ -237,6 +237,7 @@ class GPT(StageContract, CausalLMGeneration, nn.Module):
                 x = block(x, cache)
             return self.head(x, labels)
         x = self.embed(input_ids) if self.pre_process else hidden_states
-        for block in self.blocks:
+        for layer, block in zip(self.layers, self.blocks):
+            layer_stream(layer)  # the layer's dropout masks, whichever stage runs it
             x = block(x)
         return self.head(x, labels) if self.post_process else x

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from megazero.watchdog import watched
 
 _MAX_DIMS = 8
+_ACTIVATION, _GRADIENT = 0, 1  # message tags of StageLinks.exchange
 STRICT_ENV = "MEGAZERO_P2P_STRICT"
 STRICT_TIMEOUT_ENV = "MEGAZERO_P2P_STRICT_TIMEOUT"  # seconds a strict send waits for its receive (default 60)
 _strict_override: bool | None = None
@@ -124,9 +125,11 @@ class StageLinks:
     """This rank's previous and next stage (global ranks) in its pipeline, and the tensor dtype/device."""
 
     def __init__(self, pp_ranks: list[int], pp_rank: int, group, dtype: torch.dtype, device: torch.device,
-                 timers=None):
-        self.prev = pp_ranks[pp_rank - 1] if pp_rank > 0 else None
-        self.next = pp_ranks[pp_rank + 1] if pp_rank + 1 < len(pp_ranks) else None
+                 timers=None, ring: bool = False):
+        size = len(pp_ranks)
+        # ring (the interleaved schedule): the last stage's next is the first, whose previous is the last
+        self.prev = pp_ranks[(pp_rank - 1) % size] if pp_rank > 0 or ring else None
+        self.next = pp_ranks[(pp_rank + 1) % size] if pp_rank + 1 < size or ring else None
         self.group, self.dtype, self.device = group, dtype, device
         self.timer = timers("pipe_send_recv") if timers is not None else None  # time spent exchanging
 
@@ -176,6 +179,35 @@ class StageLinks:
         received = self._tensor_for(header)
         _wait(post([self._op(dist.isend, tensor, peer), self._op(dist.irecv, received, peer)]))
         return received
+
+    def _exchange_both(self, send_next, send_prev, recv_prev: bool, recv_next: bool):
+        # activations travel under one tag and gradients under another: on 2 stages in a ring the
+        # previous and the next stage are one rank, and its two messages must not be confused.
+        # Every rank lists its ops in the same order (activations, then gradients), so strict
+        # mode's per-pair message counts agree on both sides.
+        sends = [(t.detach().contiguous(), self.next, _ACTIVATION) for t in [send_next] if t is not None]
+        sends += [(t.detach().contiguous(), self.prev, _GRADIENT) for t in [send_prev] if t is not None]
+        recvs = ([(self.prev, _ACTIVATION)] if recv_prev else []) + ([(self.next, _GRADIENT)] if recv_next else [])
+        headers = [self._empty_header() for _ in recvs]
+        _wait(post([dist.P2POp(dist.isend, self._header(t), peer, self.group, tag) for t, peer, tag in sends]
+                   + [dist.P2POp(dist.irecv, h, peer, self.group, tag) for h, (peer, tag) in zip(headers, recvs)]))
+        received = [self._tensor_for(h) for h in headers]
+        _wait(post([dist.P2POp(dist.isend, t, peer, self.group, tag) for t, peer, tag in sends]
+                   + [dist.P2POp(dist.irecv, r, peer, self.group, tag) for r, (peer, tag) in zip(received, recvs)]))
+        it = iter(received)
+        from_prev = next(it).requires_grad_() if recv_prev else None
+        return from_prev, next(it) if recv_next else None
+
+    @watched("p2p exchange with both neighbours")
+    def exchange(self, send_next: torch.Tensor | None = None, send_prev: torch.Tensor | None = None,
+                 recv_prev: bool = False, recv_next: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """One step of the interleaved schedule: send an output to the next stage and/or an input
+        gradient to the previous one while receiving an input from the previous stage and/or an
+        output gradient from the next (headers of all four in one batch, then the tensors).
+        Returns (input from prev, a leaf that will receive a gradient; gradient from next)."""
+        if send_next is None and send_prev is None and not recv_prev and not recv_next:
+            return None, None
+        return self._timed(self._exchange_both, send_next, send_prev, recv_prev, recv_next)
 
     @watched("p2p recv forward (the previous stage's output)")
     def recv_forward(self) -> torch.Tensor:
