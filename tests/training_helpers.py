@@ -49,8 +49,8 @@ def base_config(**overrides) -> dict:
 def build_engine(config: dict, prefix: str, seed: int = 0, model_overrides: dict | None = None,
                  layout: tuple[int, int] | None = None):
     """Seeded tiny GPT (or the model_overrides' FAMILY: TINY_LLAMA; LAYERS_PER_VIRTUAL_STAGE: model
-    chunks for the interleaved schedule) + engine over the indexed dataset at `prefix`; layout = (TP, PP) builds the model-parallel grid first (DP is what
-    remains of the world)."""
+    chunks for the interleaved schedule) + engine over the indexed dataset at `prefix`; layout =
+    (TP, PP) builds the model-parallel grid first (DP is what remains of the world)."""
     megazero.set_seed(seed)
     overrides = dict(model_overrides or {})
     config_class, tiny = FAMILIES[overrides.pop(FAMILY, "gpt")]
