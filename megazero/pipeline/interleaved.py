@@ -36,10 +36,12 @@ def check_interleaving(num_microbatches: int, num_stages: int, num_chunks: int) 
                          f"pipeline-parallel size {num_stages} (with {num_chunks} model chunks per stage)")
 
 
-def warmup_count(num_microbatches: int, stage: int, num_stages: int, num_chunks: int) -> int:
-    """Forwards stage `stage` runs before its first backward (Megatron's count)."""
+def warmup_count(num_microbatches: int, stage: int, num_stages: int, num_chunks: int,
+                 forward_only: bool = False) -> int:
+    """Forwards stage `stage` runs before its first backward (Megatron's count; all of them when
+    forward_only)."""
     total = num_microbatches * num_chunks
-    if num_microbatches == num_stages:
+    if forward_only or num_microbatches == num_stages:
         return total
     return min((num_stages - stage - 1) * 2 + (num_chunks - 1) * num_stages, total)
 
@@ -47,26 +49,31 @@ def warmup_count(num_microbatches: int, stage: int, num_stages: int, num_chunks:
 def interleaved_one_f_one_b(num_microbatches: int, stage: int, num_stages: int, num_chunks: int,
                             links: StageLinks,
                             forward_step: Callable[[int, int, torch.Tensor | None], torch.Tensor],
-                            backward_step: Callable[[int, int, torch.Tensor, torch.Tensor | None], None]) -> None:
+                            backward_step: Callable[[int, int, torch.Tensor, torch.Tensor | None], None] | None,
+                            forward_only: bool = False) -> None:
     """Run the interleaved schedule on this stage (links: a ring, StageLinks(..., ring=True)).
 
     forward_step(chunk, m, input) -> output: runs micro-batch m through model chunk `chunk` (input
     is None on virtual stage 0; the output is the loss on the last virtual stage).
     backward_step(chunk, m, output, output_grad) backpropagates it (output_grad None where output
     is the loss). Backwards of each chunk run in micro-batch order; the last is chunk 0's of m - 1.
+    forward_only (evaluation): every virtual micro-batch is a warm-up forward, no backward; fewer
+    micro-batches than stages then run as one group (an evaluation batch is m = 1).
     """
     p, v, m = num_stages, num_chunks, num_microbatches
-    check_interleaving(m, p, v)
+    if not (forward_only and m < p):
+        check_interleaving(m, p, v)
+    group = min(p, m)  # micro-batches per group: p, or m < p forward only
     total = m * v
-    warmup = warmup_count(m, stage, p, v)
+    warmup = warmup_count(m, stage, p, v, forward_only)
     first_rank, last_rank = stage == 0, stage == p - 1
 
     def chunk_of(k: int, forward: bool) -> int:
-        c = (k % (p * v)) // p
+        c = (k % (group * v)) // group
         return c if forward else v - 1 - c
 
     def micro_of(k: int) -> int:
-        return (k // (p * v)) * p + k % p
+        return (k // (group * v)) * group + k % group
 
     inputs: list[list] = [[] for _ in range(v)]
     outputs: list[list] = [[] for _ in range(v)]
@@ -100,10 +107,16 @@ def interleaved_one_f_one_b(num_microbatches: int, stage: int, num_stages: int, 
             received, grad = links.exchange(send_next=output, recv_prev=recv_prev, recv_next=not last_rank)
             if not last_rank:
                 output_grads[v - 1].append(grad)
+        elif group < p:  # forward only, m < p: the input to receive may be the output just sent,
+            # come round the ring; its header would wait for this send's tensor: send, then receive
+            links.exchange(send_next=output)
+            received, _ = links.exchange(recv_prev=recv_prev)
         else:
             received, _ = links.exchange(send_next=output, recv_prev=recv_prev)
         if recv_prev:
             inputs[next_chunk].append(received)
+    if forward_only:
+        return
 
     remaining = total - warmup
     for i in range(remaining):

@@ -22,7 +22,14 @@ import re
 import pytest
 import torch
 
-from tests.training_helpers import LAYERS_PER_VIRTUAL_STAGE, NO_DROPOUT, base_config, first_step_gradients, train
+from tests.training_helpers import (
+    LAYERS_PER_VIRTUAL_STAGE,
+    NO_DROPOUT,
+    base_config,
+    build_engine,
+    first_step_gradients,
+    train,
+)
 
 STEPS = 10
 LOSS_RTOL = 1e-5
@@ -250,6 +257,27 @@ def test_interleaved_pipeline_with_tensor_parallelism_matches_tp_with_dropout(po
                              INTERLEAVED, (2, 2))
     for result in pipelined:
         _assert_matches(alone[0], result)
+
+
+def _evaluate(prefix: str, model_overrides: dict, layout: tuple[int, int] | None) -> list[float]:
+    """engine.eval_batch of the first 3 micro-batches (in eval mode), before any training."""
+    engine, loader = build_engine(_config(0, 2), prefix, 0, model_overrides, layout)
+    engine.eval()
+    data = iter(loader)
+    return [float(engine.eval_batch(next(data))) for _ in range(3)]
+
+
+def test_pipelined_evaluation_matches_single_process(pools, token_dataset_prefix_module):
+    """eval_batch through the pipeline (the training schedules, forward only: plain 1F1B and
+    interleaved) gives the single process's losses on every rank."""
+    expected = pools(1).run(_evaluate, token_dataset_prefix_module, INTERLEAVED_MODEL, None)[0]
+    runs = [pools(2).run(_evaluate, token_dataset_prefix_module, overrides, (1, 2))
+            for overrides in (INTERLEAVED_MODEL, INTERLEAVED)]
+    runs.append(pools(4).run(_evaluate, token_dataset_prefix_module, INTERLEAVED, (2, 2)))
+    for results in runs:
+        for losses in results:
+            assert losses == pytest.approx(expected, rel=LOSS_RTOL)
+    assert len(set(expected)) == 3
 
 
 def test_pipeline_refuses_zero3(pools, token_dataset_prefix_module):
