@@ -59,6 +59,8 @@ def bubble_layouts(world: int) -> dict[str, dict]:
         layouts[f"dp{world}_b{m}"] = {**common, "pp": 1, "micro": m // world, "chunks": 1}
         for v in (1, 2):
             layouts[f"pp{world}_m{m}_v{v}"] = {**common, "pp": world, "micro": 1, "chunks": v}
+    # the case with a shape header on every p2p message, as before the shape cache
+    layouts[f"pp{world}_m8_v1_headers"] = {**layouts[f"pp{world}_m8_v1"], "headers": True}
     return layouts
 
 
@@ -97,6 +99,8 @@ class LayoutRun:
         self.engine, _, loader, _ = megazero.initialize(model=model, model_parameters=param_groups(model),
                                                         training_data=dataset, config=engine_config,
                                                         mpu=parallel_state)
+        if spec.get("headers"):
+            self.engine._pipeline_shapes = None  # no shape cache: every message carries its header
         self.data = iter(loader)
         self.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.busy = self.schedule = self.p2p = 0.0
@@ -242,6 +246,7 @@ def bubbles_main(args) -> None:
             label, cells = f"DP={world} b={row['batch']}", f"{'-':>16}{'-':>15}{'-':>12}{'-':>16}"
         else:
             label = f"PP={row['pp']} m={row['micro_batches']} v={row['chunks']}"
+            label += " hdr" if row.get("headers") else ""
             cells = (f"{row['bubble_measured']:>16.3f}{row['not_computing']:>15.3f}{row['theory_over_ideal']:>12.3f}"
                      f"{row['theory_fraction_of_step']:>16.3f}")
         busy = " ".join(f"{b:.2f}" for b in row["busy_s_per_step"])

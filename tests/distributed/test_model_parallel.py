@@ -3,9 +3,10 @@ match the single-process model: same seed, same data, 10 steps.
 
 Against the single process, dropout is 0, and only there: as in Megatron, a TP rank draws its own
 masks inside the tensor-parallel region (its attention heads; its sequence shard under SP: the
-tracker, seeded per TP rank) and the same masks as its TP peers outside it, and each pipeline
-stage draws from its own stream (Megatron: seed + 100 x stage). A split model therefore runs other
-masks than the whole one, equally valid but not equal. With dropout on (0.1), the tests below
+tracker, seeded per TP rank) and the same masks as its TP peers outside it. A TP-split model
+therefore runs other masks than the whole one, equally valid but not equal. (Each GPT layer draws
+from its own stream, keyed by its number in the whole model, whichever pipeline stage runs it: the
+interleaved pipeline below equals the single process with dropout on.) With dropout on (0.1), the tests below
 check what must then be exact: data parallelism and ZeRO inside a model-parallel layout (same
 micro-batches, same masks), recomputation, and TP peers staying identical where they replicate.
 
