@@ -72,11 +72,13 @@ def layout_spec(name: str, bubbles: int | None) -> dict:
     return {"tp": tp, "pp": pp, "sp": sp, "micro": micro, "batch": GLOBAL_BATCH, "chunks": 1, "layers": None}
 
 
-def model_config(name: str, tp: int, sp: bool, layers: int | None = None):
+def model_config(name: str, tp: int, sp: bool, layers: int | None = None, hidden: int | None = None,
+                 seq: int | None = None):
     """The recipe's GPT, or for the llama_* layouts the recipe's Llama, at this layout."""
     config_class, path = (LlamaConfig, "llama_cpu.json") if name in LLAMA_PEERS else (GPTConfig, "gpt2_cpu.json")
     return config_class.from_json(os.path.join(REPO, "configs", path), vocab_size=8192, tensor_model_parallel_size=tp,
-                                  sequence_parallel=sp or None, num_layers=layers)
+                                  sequence_parallel=sp or None, num_layers=layers, hidden_size=hidden,
+                                  seq_length=seq)
 
 
 class LayoutRun:
@@ -88,7 +90,7 @@ class LayoutRun:
         self.pp = pp
         self.micro_batches = spec["batch"] // micro // (dist.get_world_size() // (tp * pp))
         grid = parallel_state.initialize_model_parallel(tp, pp)
-        config = model_config(name, tp, spec["sp"], spec["layers"])
+        config = model_config(name, tp, spec["sp"], spec["layers"], args.hidden_size, args.seq_length)
         megazero.set_seed(0)
         model = parallelize(config, grid, config.num_layers // (pp * chunks) if chunks > 1 else None)
         with open(os.path.join(REPO, "configs", "ds_gpt2_cpu.json")) as f:  # recipe_config() leaves it out
@@ -156,6 +158,8 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="default: benchmarks/results/parallel[_bubbles_pp{WORLD}].json")
     parser.add_argument("--bubbles", type=int, choices=[2, 4], default=None,
                         help="the pipeline bubble table on this many ranks instead (see the module docstring)")
+    parser.add_argument("--hidden-size", type=int, default=None, help="override the recipe GPT's (default 384)")
+    parser.add_argument("--seq-length", type=int, default=None, help="override the recipe GPT's (default 256)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.bubbles:
@@ -219,7 +223,8 @@ def bubbles_main(args) -> None:
     if args.layouts == list(LAYOUTS):
         args.layouts = list(layouts)
     result = spawn_workers(worker, (args,), world=world)[0]
-    seq = GPTConfig.from_json(os.path.join(REPO, "configs", "gpt2_cpu.json")).seq_length
+    config = model_config("", 1, False, BUBBLE_LAYERS, args.hidden_size, args.seq_length)
+    seq = config.seq_length
     rows = {}
     for name in args.layouts:
         spec, ranks = layouts[name], result["ranks"]
@@ -237,8 +242,8 @@ def bubbles_main(args) -> None:
             row["theory_over_ideal"] = interleaved_bubble_fraction(p, m, v)
             row["theory_fraction_of_step"] = (p - 1) / (v * m + p - 1)
         rows[name] = row
-    print(f"recipe GPT at {BUBBLE_LAYERS} layers (vocab 8192), {world} gloo ranks x 1 thread, fp32, micro-batches of "
-          f"1 x {seq} tokens, {args.trials} alternating trials of {args.steps} steps")
+    print(f"recipe GPT at {BUBBLE_LAYERS} layers, hidden {config.hidden_size} (vocab 8192), {world} gloo ranks x 1 "
+          f"thread, fp32, micro-batches of 1 x {seq} tokens, {args.trials} alternating trials of {args.steps} steps")
     print(f"{'layout':<18}{'tokens/s':>10}{'vs DP':>8}{'blocked in p2p':>16}{'not computing':>15}"
           f"{'(p-1)/(vm)':>12}{'(p-1)/(vm+p-1)':>16}  busy s/step per rank")
     for row in rows.values():
