@@ -9,6 +9,13 @@ trials), so machine noise hits all alike. Reported per layout: tokens/s and its 
 parameter bytes per rank, and for the pipelines the measured bubble (the fraction of the
 schedule a stage spends outside its forward and backward compute, mean over stages) next to
 1F1B's (p - 1) / (m + p - 1). Writes benchmarks/results/parallel.json.
+
+--bubbles WORLD (2 or 4): the pipeline bubble table instead, on WORLD gloo ranks (one thread each):
+PP=WORLD with m = 4, 8, 16 micro-batches of one sample, plain 1F1B (v=1) and interleaved (v=2),
+next to DP=WORLD on the same global batch; the recipe's GPT at 8 layers (so that PP=4 x v=2 has a
+layer per virtual stage). Measured bubble: the time each rank spends blocked in p2p exchanges over
+its schedule time (mean over ranks); theory: (p - 1) / (v m) of the ideal time, which as a fraction
+of the step is (p - 1) / (v m + p - 1). Writes benchmarks/results/parallel_bubbles_pp{WORLD}.json.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from bench_zero import param_groups, recipe_config, spawn_workers  # a sibling: 
 import megazero
 from megazero import parallel_state
 from megazero.data import GPTDataset, IndexedDataset
-from megazero.pipeline import bubble_fraction
+from megazero.pipeline import bubble_fraction, interleaved_bubble_fraction
 from models.gpt import GPTConfig
 from models.llama import LlamaConfig
 from models.parallelize import parallelize
@@ -39,47 +46,77 @@ LAYOUTS = {"dp2": (1, 1, False, 4), "tp2": (2, 1, False, 8), "tp2_sp": (2, 1, Tr
            "pp2_m4": (1, 2, False, 2), "pp2_m8": (1, 2, False, 1),
            "llama_dp2": (1, 1, False, 4), "llama_tp2": (2, 1, False, 8)}
 LLAMA_PEERS = {"llama_dp2": "dp2", "llama_tp2": "tp2"}  # the Llama layouts and the GPT runs they compare with
+BUBBLE_LAYERS = 8
+BUBBLE_MICRO_BATCHES = (4, 8, 16)
 
 
-def model_config(name: str, tp: int, sp: bool):
+def bubble_layouts(world: int) -> dict[str, dict]:
+    """--bubbles: name -> {tp, pp, sp, micro, batch, chunks, layers}: DP=world and PP=world (v = 1, 2)
+    at each m, the same global batch of m samples."""
+    layouts = {}
+    for m in BUBBLE_MICRO_BATCHES:
+        common = {"tp": 1, "sp": False, "batch": m, "layers": BUBBLE_LAYERS}
+        layouts[f"dp{world}_b{m}"] = {**common, "pp": 1, "micro": m // world, "chunks": 1}
+        for v in (1, 2):
+            layouts[f"pp{world}_m{m}_v{v}"] = {**common, "pp": world, "micro": 1, "chunks": v}
+    # the issue's case with a shape header on every p2p message, as before the shape cache
+    layouts[f"pp{world}_m8_v1_headers"] = {**layouts[f"pp{world}_m8_v1"], "headers": True}
+    return layouts
+
+
+def layout_spec(name: str, bubbles: int | None) -> dict:
+    """A layout's {tp, pp, sp, micro, batch, chunks, layers} (layers None: the recipe's)."""
+    if bubbles:
+        return bubble_layouts(bubbles)[name]
+    tp, pp, sp, micro = LAYOUTS[name]
+    return {"tp": tp, "pp": pp, "sp": sp, "micro": micro, "batch": GLOBAL_BATCH, "chunks": 1, "layers": None}
+
+
+def model_config(name: str, tp: int, sp: bool, layers: int | None = None, hidden: int | None = None,
+                 seq: int | None = None):
     """The recipe's GPT, or for the llama_* layouts the recipe's Llama, at this layout."""
     config_class, path = (LlamaConfig, "llama_cpu.json") if name in LLAMA_PEERS else (GPTConfig, "gpt2_cpu.json")
     return config_class.from_json(os.path.join(REPO, "configs", path), vocab_size=8192, tensor_model_parallel_size=tp,
-                                  sequence_parallel=sp or None)
+                                  sequence_parallel=sp or None, num_layers=layers, hidden_size=hidden,
+                                  seq_length=seq)
 
 
 class LayoutRun:
     """One layout's engine and an endless iterator over its loader."""
 
     def __init__(self, name: str, args):
-        tp, pp, sp, micro = LAYOUTS[name]
+        spec = layout_spec(name, args.bubbles)
+        tp, pp, micro, chunks = spec["tp"], spec["pp"], spec["micro"], spec["chunks"]
         self.pp = pp
-        self.micro_batches = GLOBAL_BATCH // micro // (2 // (tp * pp))
+        self.micro_batches = spec["batch"] // micro // (dist.get_world_size() // (tp * pp))
         grid = parallel_state.initialize_model_parallel(tp, pp)
-        config = model_config(name, tp, sp)
+        config = model_config(name, tp, spec["sp"], spec["layers"], args.hidden_size, args.seq_length)
         megazero.set_seed(0)
-        model = parallelize(config, grid)
+        model = parallelize(config, grid, config.num_layers // (pp * chunks) if chunks > 1 else None)
         with open(os.path.join(REPO, "configs", "ds_gpt2_cpu.json")) as f:  # recipe_config() leaves it out
             optimizer = json.load(f)["optimizer"]
-        engine_config = {**recipe_config(), "optimizer": optimizer, "train_batch_size": GLOBAL_BATCH,
+        engine_config = {**recipe_config(), "optimizer": optimizer, "train_batch_size": spec["batch"],
                          "train_micro_batch_size_per_gpu": micro, "wall_clock_breakdown": True}
         dataset = GPTDataset(IndexedDataset(args.data_path + "_train_text_document"), config.seq_length, seed=1)
         self.engine, _, loader, _ = megazero.initialize(model=model, model_parameters=param_groups(model),
                                                         training_data=dataset, config=engine_config,
                                                         mpu=parallel_state)
+        if spec.get("headers"):
+            self.engine._pipeline_shapes = None  # no shape cache: every message carries its header
         self.data = iter(loader)
         self.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        self.busy = self.schedule = 0.0
+        self.busy = self.schedule = self.p2p = 0.0
 
     def step(self) -> float:
         timers = self.engine.timers
-        before = {n: timers(n).elapsed for n in ("forward", "backward", "step")}
+        before = {n: timers(n).elapsed for n in ("forward", "backward", "step", "pipe_send_recv")}
         start = time.perf_counter()
         loss = self.engine.train_batch(self.data).item()
         wall = time.perf_counter() - start
         after = {n: timers(n).elapsed for n in before}
         self.busy += after["forward"] - before["forward"] + after["backward"] - before["backward"]
         self.schedule += wall - (after["step"] - before["step"])
+        self.p2p += after["pipe_send_recv"] - before["pipe_send_recv"]
         return loss
 
 
@@ -90,7 +127,7 @@ def worker(rank: int, world: int, port: int, args, queue) -> None:
     runs = {name: LayoutRun(name, args) for name in args.layouts}
     losses = {name: [run.step() for _ in range(args.warmup)] for name, run in runs.items()}
     for run in runs.values():
-        run.busy = run.schedule = 0.0
+        run.busy = run.schedule = run.p2p = 0.0
     times = {name: [] for name in runs}
     for _ in range(args.trials):
         for name, run in runs.items():
@@ -99,9 +136,11 @@ def worker(rank: int, world: int, port: int, args, queue) -> None:
             losses[name] += [run.step() for _ in range(args.steps)]
             times[name].append(time.perf_counter() - start)
     bubbles = {name: run.schedule and 1 - run.busy / run.schedule for name, run in runs.items()}
+    blocked = {name: run.schedule and run.p2p / run.schedule for name, run in runs.items()}
+    busy = {name: run.busy / (args.trials * args.steps) for name, run in runs.items()}
     gathered = [None] * world
-    dist.all_gather_object(gathered, {"bubble": bubbles, "param_bytes": {n: r.param_bytes for n, r in runs.items()},
-                                      "losses": losses})
+    dist.all_gather_object(gathered, {"bubble": bubbles, "blocked": blocked, "busy": busy, "losses": losses,
+                                      "param_bytes": {n: r.param_bytes for n, r in runs.items()}})
     if rank == 0:
         queue.put({"times": times, "ranks": gathered,
                    "micro_batches": {n: r.micro_batches for n, r in runs.items()}})
@@ -111,13 +150,24 @@ def worker(rank: int, world: int, port: int, args, queue) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-path", default=os.path.join(REPO, "data", "gpt2", "shakespeare"))
-    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS),
+                        help=f"default: all of {list(LAYOUTS)}, or with --bubbles all of its own")
     parser.add_argument("--steps", type=int, default=2, help="steps per trial")
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "parallel.json"))
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/parallel[_bubbles_pp{WORLD}].json")
+    parser.add_argument("--bubbles", type=int, choices=[2, 4], default=None,
+                        help="the pipeline bubble table on this many ranks instead (see the module docstring)")
+    parser.add_argument("--hidden-size", type=int, default=None, help="override the recipe GPT's (default 384)")
+    parser.add_argument("--seq-length", type=int, default=None, help="override the recipe GPT's (default 256)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.bubbles:
+        return bubbles_main(args)
+    args.out = args.out or os.path.join(REPO, "benchmarks", "results", "parallel.json")
+    unknown = set(args.layouts) - set(LAYOUTS)
+    if unknown:
+        parser.error(f"unknown layouts {sorted(unknown)}: choose from {list(LAYOUTS)}")
     result = spawn_workers(worker, (args,))[0]
     seq = GPTConfig.from_json(os.path.join(REPO, "configs", "gpt2_cpu.json")).seq_length
     tokens = args.steps * GLOBAL_BATCH * seq
@@ -164,6 +214,55 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump({"benchmark": "parallel", "rows": rows}, f, indent=1)
     print(f"wrote {args.out}")
+
+
+def bubbles_main(args) -> None:
+    """--bubbles: DP and PP (v = 1, 2) at m = 4, 8, 16 on args.bubbles ranks, alternating trials."""
+    world = args.bubbles
+    layouts = bubble_layouts(world)
+    if args.layouts == list(LAYOUTS):
+        args.layouts = list(layouts)
+    result = spawn_workers(worker, (args,), world=world)[0]
+    config = model_config("", 1, False, BUBBLE_LAYERS, args.hidden_size, args.seq_length)
+    seq = config.seq_length
+    rows = {}
+    for name in args.layouts:
+        spec, ranks = layouts[name], result["ranks"]
+        tokens = args.steps * spec["batch"] * seq
+        base = f"dp{world}_b{spec['batch']}"
+        row = {**spec, "micro_batches": result["micro_batches"][name],
+               "tokens_per_s": statistics.median(tokens / t for t in result["times"][name]),
+               "ratio_to_dp": statistics.median(b / t for b, t in zip(result["times"][base], result["times"][name])),
+               "busy_s_per_step": [r["busy"][name] for r in ranks]}
+        if spec["pp"] > 1:
+            p, v, m = spec["pp"], spec["chunks"], row["micro_batches"]
+            row["blocked_in_p2p"] = [r["blocked"][name] for r in ranks]
+            row["bubble_measured"] = statistics.mean(row["blocked_in_p2p"])
+            row["not_computing"] = statistics.mean(r["bubble"][name] for r in ranks)
+            row["theory_over_ideal"] = interleaved_bubble_fraction(p, m, v)
+            row["theory_fraction_of_step"] = (p - 1) / (v * m + p - 1)
+        rows[name] = row
+    print(f"recipe GPT at {BUBBLE_LAYERS} layers, hidden {config.hidden_size} (vocab 8192), {world} gloo ranks x 1 "
+          f"thread, fp32, micro-batches of 1 x {seq} tokens, {args.trials} alternating trials of {args.steps} steps")
+    print(f"{'layout':<18}{'tokens/s':>10}{'vs DP':>8}{'blocked in p2p':>16}{'not computing':>15}"
+          f"{'(p-1)/(vm)':>12}{'(p-1)/(vm+p-1)':>16}  busy s/step per rank")
+    for row in rows.values():
+        if row["pp"] == 1:
+            label, cells = f"DP={world} b={row['batch']}", f"{'-':>16}{'-':>15}{'-':>12}{'-':>16}"
+        else:
+            label = f"PP={row['pp']} m={row['micro_batches']} v={row['chunks']}"
+            label += " hdr" if row.get("headers") else ""
+            cells = (f"{row['bubble_measured']:>16.3f}{row['not_computing']:>15.3f}{row['theory_over_ideal']:>12.3f}"
+                     f"{row['theory_fraction_of_step']:>16.3f}")
+        busy = " ".join(f"{b:.2f}" for b in row["busy_s_per_step"])
+        print(f"{label:<18}{row['tokens_per_s']:>10,.0f}{row['ratio_to_dp']:>8.3f}{cells}  {busy}")
+    print("blocked in p2p: time in the pipeline's exchanges / schedule time (mean over ranks); not computing: "
+          "1 - (forward + backward) / schedule time")
+    out = args.out or os.path.join(REPO, "benchmarks", "results", f"parallel_bubbles_pp{world}.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"benchmark": "parallel_bubbles", "world": world, "rows": rows}, f, indent=1)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

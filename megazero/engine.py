@@ -84,6 +84,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
                                              grid.pp_rank if grid else 0, grid.tp_rank if grid else 0,
                                              grid.tensor_model_parallel_size if grid else 1)
         self._pipeline_micro: int | None = None  # the 1F1B schedule's micro-batch in forward
+        self._pipeline_shapes: dict = {}  # the p2p messages' shapes, kept across steps (StageLinks' shapes)
         # training forwards since the last optimizer step: the micro-batch's number within its step,
         # also when the user accumulates with no_sync() or set_gradient_accumulation_boundary()
         self._forwards_since_step = 0
@@ -294,59 +295,76 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         return (total / self.gradient_accumulation_steps()).float().cpu()
 
     def _train_batch_pipelined(self, data_iter) -> torch.Tensor:
-        """train_batch() through the 1F1B schedule: every stage reads the same micro-batches; the
-        first stage feeds the inputs, later stages take hidden_states from their predecessor."""
-        from megazero.pipeline import StageLinks, one_f_one_b
-
+        """train_batch() through the 1F1B schedule (interleaved when the module holds several model
+        chunks, megazero.pipeline.ModelChunks): every stage reads the same micro-batches; the first
+        virtual stage feeds the inputs, later ones take hidden_states from their predecessor."""
         grid, micro = self.grid, self.gradient_accumulation_steps()
         batches = [self.to_device(next(data_iter)) for _ in range(micro)]
-        links = StageLinks(grid.pp_ranks, grid.pp_rank, grid.pp_group, self.config.compute_dtype, self.device,
-                           self.timers)
-        losses = []
 
-        def forward_step(m: int, received: torch.Tensor | None) -> torch.Tensor:
-            kwargs = dict(batches[m]) if received is None else {**batches[m], HIDDEN_STATES: received}
-            self._pipeline_micro = m
-            try:
-                output = self(**kwargs)
-            finally:
-                self._pipeline_micro = None
-            if grid.is_last_stage:
-                losses.append(output.detach().float())
-            return output
-
-        def backward_step(m: int, output: torch.Tensor, output_grad: torch.Tensor | None) -> None:
-            if output_grad is None:  # the last stage's output is the loss
+        def backward_step(chunk: int, m: int, output: torch.Tensor, output_grad: torch.Tensor | None) -> None:
+            if output_grad is None:  # the last virtual stage's output is the loss
                 output = self._scaled_loss(output, micro)
             self._backward(output, output_grad)
-            if m < micro - 1:
+            # one micro-step per micro-batch, ended by its last backward here (chunk 0's); the
+            # boundary backward, the stage's last, is chunk 0's of the last micro-batch
+            if chunk == 0 and m < micro - 1:
                 self.step()
 
-        one_f_one_b(micro, grid.pp_rank, grid.pipeline_model_parallel_size, links, forward_step, backward_step)
+        losses = self._run_pipeline_schedule(batches, backward_step)
         self.step()  # the optimizer step, once this stage has sent its last input gradient
         mean = torch.stack(losses).mean() if losses else torch.zeros((), dtype=torch.float32, device=self.device)
         dist.broadcast(mean, src=grid.pp_ranks[-1], group=grid.pp_group)
         return mean.cpu()
 
+    def _run_pipeline_schedule(self, batches: list, backward_step) -> list[torch.Tensor]:
+        """Run `batches` through this stage's 1F1B schedule (interleaved with several model chunks);
+        backward_step None: forward only (evaluation). Returns the last stage's losses (fp32)."""
+        from megazero.pipeline import StageLinks, interleaved_one_f_one_b, one_f_one_b
+        from megazero.pipeline.chunks import MODEL_CHUNK, model_chunks
+        from megazero.pipeline.p2p import input_shapes
+
+        grid = self.grid
+        num_chunks = len(model_chunks(self.module))
+        # messages of shapes both sides have seen for these input shapes go without their headers
+        links = StageLinks(grid.pp_ranks, grid.pp_rank, grid.pp_group, self.config.compute_dtype, self.device,
+                           self.timers, ring=num_chunks > 1, shapes=self._pipeline_shapes,
+                           shape_key=input_shapes(batches))
+        losses = []
+
+        def forward_step(chunk: int, m: int, received: torch.Tensor | None) -> torch.Tensor:
+            kwargs = dict(batches[m]) if received is None else {**batches[m], HIDDEN_STATES: received}
+            if num_chunks > 1:
+                kwargs[MODEL_CHUNK] = chunk
+            self._pipeline_micro = m
+            try:
+                output = self(**kwargs)
+            finally:
+                self._pipeline_micro = None
+            if grid.is_last_stage and chunk == num_chunks - 1:
+                losses.append(output.detach().float())
+            return output
+
+        stage, stages, micro = grid.pp_rank, grid.pipeline_model_parallel_size, len(batches)
+        forward_only = backward_step is None
+        if num_chunks > 1:
+            interleaved_one_f_one_b(micro, stage, stages, num_chunks, links, forward_step, backward_step,
+                                    forward_only)
+        else:
+            one_f_one_b(micro, stage, stages, links, lambda m, x: forward_step(0, m, x),
+                        None if forward_only else lambda m, y, g: backward_step(0, m, y, g), forward_only)
+        return losses
+
     @torch.no_grad()
     def eval_batch(self, batch) -> torch.Tensor:
         """Loss of one batch (a mapping of model keyword arguments), without gradients; with
-        pipelining the batch runs through every stage and each rank returns the last stage's loss."""
+        pipelining the batch runs through every stage, by the training schedule run forward only,
+        and each rank returns the last stage's loss."""
         batch = self.to_device(batch)
         if not self.is_pipelined:
             return self(**batch).detach().float()
-        from megazero.pipeline import StageLinks
-
-        grid = self.grid
-        links = StageLinks(grid.pp_ranks, grid.pp_rank, grid.pp_group, self.config.compute_dtype, self.device)
-        kwargs = dict(batch) if grid.is_first_stage else {**batch, HIDDEN_STATES: links.recv_forward()}
-        output = self(**kwargs)
-        if grid.is_last_stage:
-            loss = output.detach().float()
-        else:
-            links.send_forward(output)
-            loss = torch.zeros((), dtype=torch.float32, device=self.device)
-        dist.broadcast(loss, src=grid.pp_ranks[-1], group=grid.pp_group)
+        losses = self._run_pipeline_schedule([batch], None)
+        loss = losses[0] if losses else torch.zeros((), dtype=torch.float32, device=self.device)
+        dist.broadcast(loss, src=self.grid.pp_ranks[-1], group=self.grid.pp_group)
         return loss
 
     @property

@@ -86,6 +86,8 @@ def recipe_parser(description: str, model_config: str, engine_config_path: str) 
                    help="with full: the first N layers of each pipeline stage")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="interleaved 1F1B: each pipeline stage holds num_layers / (PP x this) model chunks")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="split LayerNorm/dropout activations along the sequence across tensor-parallel ranks")
     p.add_argument("--micro-batch-size", type=int, help="overrides train_micro_batch_size_per_gpu")

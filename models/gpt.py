@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from megazero import tensor_parallel as tp
 from megazero.moe import MoELayer, moe_aux_loss
-from megazero.tensor_parallel.random import get_rng_tracker
+from megazero.tensor_parallel.random import get_rng_tracker, layer_stream
 from models.common import (
     ModelConfig,
     StageContract,
@@ -261,7 +261,8 @@ class GPT(StageContract, CausalLMGeneration, nn.Module):
                 x = block(x, cache)
             return self.head(x, labels)
         x = self.embed(input_ids) if self.pre_process else hidden_states
-        for block in self.blocks:
+        for layer, block in zip(self.layers, self.blocks):
+            layer_stream(layer)  # the layer's dropout masks, whichever stage runs it
             x = block(x)
         if not self.post_process:
             return x

@@ -36,6 +36,7 @@ from megazero import tensor_parallel as tp
 from megazero.activation_checkpointing import checkpoint
 from megazero.ops.cuda_ops import bias_gelu
 from megazero.parallel_state import ParallelGrid
+from megazero.pipeline.chunks import ModelChunks, chunk_count, chunk_stage
 from megazero.pipeline.partition import balanced_stage_layers
 from models.bert import Bert, BertConfig
 from models.common import ModelConfig
@@ -203,20 +204,48 @@ def _check_grid(config: ModelConfig, grid: ParallelGrid) -> None:
                          f"to the grid's")
 
 
-def parallelize(config: ModelConfig, grid: ParallelGrid | None = None) -> torch.nn.Module:
-    """This rank's module: its tensor-parallel shard of its pipeline stage of the model `config`
-    describes (GPTConfig: GPT, BertConfig: Bert, LlamaConfig: Llama), with the config's recomputation and fused
-    kernels; without a grid, the whole model in one process. Every rank draws the same random
-    numbers here (one seed per layer), so each shard and stage starts as the slice of the
-    single-process model built after the same seed."""
-    if grid is None:
-        model = model_class(config)(config)
-    else:
-        _check_grid(config, grid)
-        model = build_stage(config, grid.pp_rank, grid.pipeline_model_parallel_size, grid.tp_group)
+def _speed_options(model: torch.nn.Module, config: ModelConfig) -> torch.nn.Module:
     apply_recompute(model, config)
     if isinstance(config, GPTConfig) and config.fused_kernels:  # BertConfig has none: torch's kernels
         apply_fused_kernels(model)
     if isinstance(config, LlamaConfig) and config.fused_kernels:
         apply_fused_rms_norm(model)
+    return model
+
+
+def build_chunks(config: ModelConfig, stage: int, num_stages: int, num_chunks: int, tp_group=None) -> ModelChunks:
+    """Stage `stage`'s model chunks for the interleaved schedule: chunk c is virtual stage c * p +
+    stage of the model split into p * v stages (balanced by parameter count, as stage_layers).
+    Each chunk is built from the same generator state, so it draws the seeds a whole model does."""
+    state = torch.get_rng_state()
+    chunks = []
+    for c in range(num_chunks):
+        torch.set_rng_state(state)
+        chunks.append(build_stage(config, chunk_stage(c, stage, num_stages), num_stages * num_chunks, tp_group))
+    return ModelChunks(chunks)
+
+
+def parallelize(config: ModelConfig, grid: ParallelGrid | None = None,
+                num_layers_per_virtual_stage: int | None = None) -> torch.nn.Module:
+    """This rank's module: its tensor-parallel shard of its pipeline stage of the model `config`
+    describes (GPTConfig: GPT, BertConfig: Bert, LlamaConfig: Llama), with the config's recomputation and fused
+    kernels; without a grid, the whole model in one process. Every rank draws the same random
+    numbers here (one seed per layer), so each shard and stage starts as the slice of the
+    single-process model built after the same seed.
+
+    num_layers_per_virtual_stage (Megatron's --num-layers-per-virtual-pipeline-stage): split the
+    model into PP x v virtual stages of that many layers (v = num_layers / (PP x it)) and give
+    each rank v model chunks (megazero.pipeline.ModelChunks) for the interleaved schedule."""
+    if grid is None:
+        if num_layers_per_virtual_stage is not None:
+            chunk_count(config.num_layers, 1, num_layers_per_virtual_stage)  # raises: needs PP >= 2
+        return _speed_options(model_class(config)(config), config)
+    _check_grid(config, grid)
+    pp = grid.pipeline_model_parallel_size
+    num_chunks = chunk_count(config.num_layers, pp, num_layers_per_virtual_stage)
+    if num_chunks == 1:
+        return _speed_options(build_stage(config, grid.pp_rank, pp, grid.tp_group), config)
+    model = build_chunks(config, grid.pp_rank, pp, num_chunks, grid.tp_group)
+    for chunk in model.chunks:
+        _speed_options(chunk, config)
     return model

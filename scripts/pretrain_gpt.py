@@ -34,7 +34,7 @@ def main(argv=None) -> dict:
 
     # the model: --model-config with the size, recompute and parallelism flags; this rank's part of it
     config = GPTConfig.from_json(args.model_config, vocab_size=tokenizer.vocab_size, **training.model_overrides(args))
-    model = parallelize(config, grid)
+    model = parallelize(config, grid, args.num_layers_per_virtual_pipeline_stage)
     args.seq_length = config.seq_length
     num_params = count_parameters(GPT, config.single_process())  # the same at every layout
     flops = gpt_flops_per_token(num_params, config.num_layers, config.hidden_size, args.seq_length)

@@ -47,7 +47,7 @@ def main(argv=None) -> dict:
                  "rope_theta": args.rope_theta, "ffn_hidden_size": args.ffn_hidden_size,
                  "untie_embeddings_and_output_weights": args.untie}
     config = LlamaConfig.from_json(args.model_config, vocab_size=tokenizer.vocab_size, **overrides)
-    model = parallelize(config, grid)
+    model = parallelize(config, grid, args.num_layers_per_virtual_pipeline_stage)
     args.seq_length = config.seq_length
     num_params = count_parameters(Llama, config.single_process())  # the same at every layout
     flops = gpt_flops_per_token(num_params, config.num_layers, config.hidden_size, args.seq_length)

@@ -26,6 +26,8 @@ NO_DROPOUT = {"dropout": 0.0}  # for claims that dropout masks cannot satisfy, e
 TINY_LLAMA = dict(vocab_size=256, seq_length=32, num_layers=2, hidden_size=64, num_attention_heads=4,
                   num_query_groups=2, ffn_hidden_size=128, make_vocab_size_divisible_by=64, dropout=0.1)
 FAMILY = "family"  # a model_overrides key: the model family build_engine builds ("gpt" by default)
+# a model_overrides key: Megatron's --num-layers-per-virtual-pipeline-stage (the interleaved schedule)
+LAYERS_PER_VIRTUAL_STAGE = "num_layers_per_virtual_pipeline_stage"
 FAMILIES = {"gpt": (GPTConfig, TINY), "llama": (LlamaConfig, TINY_LLAMA)}
 
 
@@ -46,17 +48,18 @@ def base_config(**overrides) -> dict:
 
 def build_engine(config: dict, prefix: str, seed: int = 0, model_overrides: dict | None = None,
                  layout: tuple[int, int] | None = None):
-    """Seeded tiny GPT (or the model_overrides' FAMILY: TINY_LLAMA) + engine over the indexed
-    dataset at `prefix`; layout = (TP, PP) builds the model-parallel grid first (DP is what
-    remains of the world)."""
+    """Seeded tiny GPT (or the model_overrides' FAMILY: TINY_LLAMA; LAYERS_PER_VIRTUAL_STAGE: model
+    chunks for the interleaved schedule) + engine over the indexed dataset at `prefix`; layout =
+    (TP, PP) builds the model-parallel grid first (DP is what remains of the world)."""
     megazero.set_seed(seed)
     overrides = dict(model_overrides or {})
     config_class, tiny = FAMILIES[overrides.pop(FAMILY, "gpt")]
+    virtual = overrides.pop(LAYERS_PER_VIRTUAL_STAGE, None)
     grid = None
     if layout is not None:
         grid = parallel_state.initialize_model_parallel(*layout)
         overrides["tensor_model_parallel_size"] = layout[0]
-    model = parallelize(config_class(**{**tiny, **overrides}), grid)
+    model = parallelize(config_class(**{**tiny, **overrides}), grid, virtual)
     dataset = GPTDataset(IndexedDataset(prefix), TINY["seq_length"], seed=seed)
     engine, _, loader, _ = megazero.initialize(model=model, training_data=dataset, config=config,
                                                mpu=parallel_state if grid is not None else None)

@@ -1,20 +1,23 @@
 """Point-to-point exchange of activations and their gradients between neighbouring stages.
 
 Every message is a small shape header followed by the tensor, so the receiver needs no prior
-knowledge of the shape. Each step posts its operations with `batch_isend_irecv`: the headers in one
-batch, then the tensors in the next. On NCCL a batch is one group, in which a send and a receive
-between the same two ranks progress together. Outside a group, NCCL's sends between a pair share a
-stream, and a send blocks until the peer's matching receive runs: two neighbours that each queued
-send-then-receive (1F1B's steady state) would wait on each other once an activation outgrows
-NCCL's buffering. The 1F1B schedule exchanges symmetrically on each link (when one neighbour sends
-an output and receives a gradient, the other sends that gradient and receives the next output), so
-both sides post the same header batch and then the same tensor batch.
+knowledge of the shape; with a shape cache (StageLinks' `shapes`, which the engine keeps across
+steps), a message whose shape both sides have seen for the same micro-batch input shapes goes
+without its header, saving a round trip per exchange. Each step posts its operations with
+`batch_isend_irecv`: the headers in one batch, then the tensors in the next. On NCCL a batch is one
+group, in which a send and a receive between the same two ranks progress together. Outside a group,
+NCCL's sends between a pair share a stream, and a send blocks until the peer's matching receive
+runs: two neighbours that each queued send-then-receive (1F1B's steady state) would wait on each
+other once an activation outgrows NCCL's buffering. The 1F1B schedule exchanges symmetrically on
+each link (when one neighbour sends an output and receives a gradient, the other sends that
+gradient and receives the next output), so both sides post the same header batch and then the same
+tensor batch.
 
 gloo's sends never block, which hides such a dependence. Strict mode (MEGAZERO_P2P_STRICT=1, or
 `set_strict(True)`) shows it on gloo: a send is posted only once the peer has posted the matching
-receive (a flag per message through the default process group's store), so an exchange that
-relies on a send completing before the peer's receive is posted fails with an error naming both
-ranks, instead of passing on gloo and hanging on NCCL.
+receive (a flag per message through the default process group's store), so an exchange that relies
+on a send completing before the peer's receive is posted fails with an error naming both ranks,
+instead of passing on gloo and hanging on NCCL.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch.distributed as dist
 from megazero.watchdog import watched
 
 _MAX_DIMS = 8
+_ACTIVATION, _GRADIENT = 0, 1  # message tags of StageLinks.exchange
 STRICT_ENV = "MEGAZERO_P2P_STRICT"
 STRICT_TIMEOUT_ENV = "MEGAZERO_P2P_STRICT_TIMEOUT"  # seconds a strict send waits for its receive (default 60)
 _strict_override: bool | None = None
@@ -120,15 +124,41 @@ def _wait(works: list) -> None:
         work.wait()
 
 
+def input_shapes(batches: list) -> tuple | None:
+    """The shapes and dtypes of a schedule's micro-batches (mappings or sequences of tensors), when
+    they are all the same (a StageLinks shape_key: a stage's output shape follows from them); else
+    None (every message then carries its header)."""
+
+    def of(batch) -> tuple:
+        items = sorted(batch.items()) if isinstance(batch, dict) else enumerate(batch)
+        return tuple((k, tuple(v.shape), str(v.dtype)) for k, v in items if isinstance(v, torch.Tensor))
+
+    keys = {of(batch) for batch in batches}
+    return keys.pop() if len(keys) == 1 else None
+
+
 class StageLinks:
-    """This rank's previous and next stage (global ranks) in its pipeline, and the tensor dtype/device."""
+    """This rank's previous and next stage (global ranks) in its pipeline, and the tensor dtype/device.
+
+    shapes: where to remember the messages' shapes, so that later messages travel without their
+    headers (one round trip per exchange instead of two): a dict that outlives one schedule, and
+    shape_key, what identifies messages of one shape (the engine's: the micro-batch's input
+    shapes; None: every message carries its header). A message's key is (activation or gradient,
+    source, destination, shape_key); the sender records it when it sends the header, the receiver
+    when it receives it, so both sides agree on which messages come without one.
+    """
 
     def __init__(self, pp_ranks: list[int], pp_rank: int, group, dtype: torch.dtype, device: torch.device,
-                 timers=None):
-        self.prev = pp_ranks[pp_rank - 1] if pp_rank > 0 else None
-        self.next = pp_ranks[pp_rank + 1] if pp_rank + 1 < len(pp_ranks) else None
+                 timers=None, ring: bool = False, shapes: dict | None = None, shape_key=None):
+        size = len(pp_ranks)
+        # ring (the interleaved schedule): the last stage's next is the first, whose previous is the last
+        self.prev = pp_ranks[(pp_rank - 1) % size] if pp_rank > 0 or ring else None
+        self.next = pp_ranks[(pp_rank + 1) % size] if pp_rank + 1 < size or ring else None
+        self.me = pp_ranks[pp_rank]
         self.group, self.dtype, self.device = group, dtype, device
         self.timer = timers("pipe_send_recv") if timers is not None else None  # time spent exchanging
+        self.shapes = shapes if shape_key is not None else None
+        self.shape_key = shape_key
 
     def _timed(self, fn, *args):
         if self.timer is None:
@@ -148,61 +178,111 @@ class StageLinks:
     def _empty_header(self) -> torch.Tensor:
         return torch.empty(_MAX_DIMS + 1, dtype=torch.int64, device=self.device)
 
-    def _tensor_for(self, header: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _shape_of(header: torch.Tensor) -> tuple[int, ...]:
         values = header.tolist()  # one device-to-host copy: the shape decides the allocation
-        return torch.empty(values[1:1 + values[0]], dtype=self.dtype, device=self.device)
+        return tuple(values[1:1 + values[0]])
 
-    def _op(self, op, tensor: torch.Tensor, peer: int) -> dist.P2POp:
-        return dist.P2POp(op, tensor, peer, self.group)
+    def _cached(self, tag: int, src: int, dst: int):
+        """(key, remembered shape or None); key None when shapes are not remembered."""
+        if self.shapes is None:
+            return None, None
+        key = (tag, src, dst, self.shape_key)
+        return key, self.shapes.get(key)
 
-    def _send(self, tensor: torch.Tensor, peer: int) -> None:
-        tensor = tensor.detach().contiguous()
-        _wait(post([self._op(dist.isend, self._header(tensor), peer)]))
-        _wait(post([self._op(dist.isend, tensor, peer)]))
-
-    def _recv(self, peer: int) -> torch.Tensor:
-        header = self._empty_header()
-        _wait(post([self._op(dist.irecv, header, peer)]))
-        tensor = self._tensor_for(header)
-        _wait(post([self._op(dist.irecv, tensor, peer)]))
-        return tensor
-
-    def _exchange(self, tensor: torch.Tensor, peer: int) -> torch.Tensor:
-        """Send `tensor` to `peer` while receiving one from it: the two headers in one batch, then
-        the two tensors in the next (the peer does the same exchange, mirrored)."""
-        tensor = tensor.detach().contiguous()
-        header = self._empty_header()
-        _wait(post([self._op(dist.isend, self._header(tensor), peer), self._op(dist.irecv, header, peer)]))
-        received = self._tensor_for(header)
-        _wait(post([self._op(dist.isend, tensor, peer), self._op(dist.irecv, received, peer)]))
+    def _transfer(self, sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[int, int]]) -> list:
+        """Send each (tensor, peer, tag) and receive one tensor per (peer, tag): the headers not
+        remembered in one batch, then the tensors in the next. Activations travel under one tag
+        and gradients under another: on 2 stages in a ring the previous and the next stage are one
+        rank, whose two messages must not be confused. Both sides list a step's messages in the
+        same order (activations, then gradients), so strict mode's per-pair counts agree."""
+        header_ops = []
+        for tensor, peer, tag in sends:
+            key, shape = self._cached(tag, self.me, peer)
+            if shape is None:
+                header_ops.append(dist.P2POp(dist.isend, self._header(tensor), peer, self.group, tag))
+                if key is not None:
+                    self.shapes[key] = tuple(tensor.shape)
+            elif shape != tuple(tensor.shape):
+                raise RuntimeError(f"pipeline p2p: rank {self.me} sends rank {peer} a tensor of shape "
+                                   f"{tuple(tensor.shape)} where an earlier message for the same input shapes had "
+                                   f"{shape}: a stage's output shape must follow from its micro-batch's shapes")
+        shapes, headers = [], []
+        for peer, tag in recvs:
+            key, shape = self._cached(tag, peer, self.me)
+            shapes.append(shape)
+            if shape is None:
+                header = self._empty_header()
+                headers.append((len(shapes) - 1, key, header))
+                header_ops.append(dist.P2POp(dist.irecv, header, peer, self.group, tag))
+        if header_ops:
+            _wait(post(header_ops))
+        for index, key, header in headers:
+            shapes[index] = self._shape_of(header)
+            if key is not None:
+                self.shapes[key] = shapes[index]
+        received = [torch.empty(shape, dtype=self.dtype, device=self.device) for shape in shapes]
+        _wait(post([dist.P2POp(dist.isend, t, peer, self.group, tag) for t, peer, tag in sends]
+                   + [dist.P2POp(dist.irecv, r, peer, self.group, tag) for r, (peer, tag) in zip(received, recvs)]))
         return received
+
+    def _send(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
+        self._transfer([(tensor.detach().contiguous(), peer, tag)], [])
+
+    def _recv(self, peer: int, tag: int) -> torch.Tensor:
+        return self._transfer([], [(peer, tag)])[0]
+
+    def _exchange(self, tensor: torch.Tensor, peer: int, send_tag: int) -> torch.Tensor:
+        """Send `tensor` to `peer` while receiving one from it (the peer does the same exchange,
+        mirrored): an activation sent meets a gradient received, and the other way round."""
+        recv_tag = _GRADIENT if send_tag == _ACTIVATION else _ACTIVATION
+        return self._transfer([(tensor.detach().contiguous(), peer, send_tag)], [(peer, recv_tag)])[0]
+
+    def _exchange_both(self, send_next, send_prev, recv_prev: bool, recv_next: bool):
+        sends = [(t.detach().contiguous(), self.next, _ACTIVATION) for t in [send_next] if t is not None]
+        sends += [(t.detach().contiguous(), self.prev, _GRADIENT) for t in [send_prev] if t is not None]
+        recvs = ([(self.prev, _ACTIVATION)] if recv_prev else []) + ([(self.next, _GRADIENT)] if recv_next else [])
+        received = iter(self._transfer(sends, recvs))
+        from_prev = next(received).requires_grad_() if recv_prev else None
+        return from_prev, next(received) if recv_next else None
+
+    @watched("p2p exchange with both neighbours")
+    def exchange(self, send_next: torch.Tensor | None = None, send_prev: torch.Tensor | None = None,
+                 recv_prev: bool = False, recv_next: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """One step of the interleaved schedule: send an output to the next stage and/or an input
+        gradient to the previous one while receiving an input from the previous stage and/or an
+        output gradient from the next (headers of all four in one batch, then the tensors).
+        Returns (input from prev, a leaf that will receive a gradient; gradient from next)."""
+        if send_next is None and send_prev is None and not recv_prev and not recv_next:
+            return None, None
+        return self._timed(self._exchange_both, send_next, send_prev, recv_prev, recv_next)
 
     @watched("p2p recv forward (the previous stage's output)")
     def recv_forward(self) -> torch.Tensor:
         """The previous stage's output (this stage's input), as a leaf that will receive a gradient."""
-        return self._timed(self._recv, self.prev).requires_grad_()
+        return self._timed(self._recv, self.prev, _ACTIVATION).requires_grad_()
 
     @watched("p2p send forward (to the next stage)")
     def send_forward(self, output: torch.Tensor) -> None:
         """Send this stage's output to the next stage."""
-        self._timed(self._send, output, self.next)
+        self._timed(self._send, output, self.next, _ACTIVATION)
 
     @watched("p2p recv backward (the next stage's gradient)")
     def recv_backward(self) -> torch.Tensor:
         """The gradient of this stage's output, from the next stage."""
-        return self._timed(self._recv, self.next)
+        return self._timed(self._recv, self.next, _GRADIENT)
 
     @watched("p2p send backward (to the previous stage)")
     def send_backward(self, input_grad: torch.Tensor) -> None:
         """Send the gradient of this stage's input to the previous stage."""
-        self._timed(self._send, input_grad, self.prev)
+        self._timed(self._send, input_grad, self.prev, _GRADIENT)
 
     @watched("p2p send forward / recv backward (with the next stage)")
     def send_forward_recv_backward(self, output: torch.Tensor) -> torch.Tensor:
         """Send the output on while receiving the gradient of an earlier output."""
-        return self._timed(self._exchange, output, self.next)
+        return self._timed(self._exchange, output, self.next, _ACTIVATION)
 
     @watched("p2p send backward / recv forward (with the previous stage)")
     def send_backward_recv_forward(self, input_grad: torch.Tensor) -> torch.Tensor:
         """Send an input gradient back while receiving the next input."""
-        return self._timed(self._exchange, input_grad, self.prev).requires_grad_()
+        return self._timed(self._exchange, input_grad, self.prev, _GRADIENT).requires_grad_()

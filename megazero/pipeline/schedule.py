@@ -29,15 +29,17 @@ def bubble_fraction(num_stages: int, num_microbatches: int) -> float:
 
 def one_f_one_b(num_microbatches: int, stage: int, num_stages: int, links: StageLinks,
                 forward_step: Callable[[int, torch.Tensor | None], torch.Tensor],
-                backward_step: Callable[[int, torch.Tensor, torch.Tensor | None], None]) -> None:
+                backward_step: Callable[[int, torch.Tensor, torch.Tensor | None], None] | None,
+                forward_only: bool = False) -> None:
     """Run the schedule on this stage.
 
     forward_step(m, input) -> output: runs micro-batch m (input is None on the first stage; the
     output is the loss on the last stage). backward_step(m, output, output_grad) backpropagates it
-    (output_grad is None on the last stage, where output is the loss).
+    (output_grad is None on the last stage, where output is the loss). forward_only (evaluation):
+    every micro-batch is a warm-up forward, and there is no backward.
     """
     first, last = stage == 0, stage == num_stages - 1
-    warmup = min(num_stages - stage - 1, num_microbatches)
+    warmup = num_microbatches if forward_only else min(num_stages - stage - 1, num_microbatches)
     in_flight: list[tuple[int, torch.Tensor | None, torch.Tensor]] = []  # (m, input, output)
 
     def run_forward(m: int, received: torch.Tensor | None) -> torch.Tensor:
@@ -54,6 +56,8 @@ def one_f_one_b(num_microbatches: int, stage: int, num_stages: int, links: Stage
         output = run_forward(m, None if first else links.recv_forward())
         if not last:
             links.send_forward(output)
+    if forward_only:
+        return
     remaining = num_microbatches - warmup
     received = None if first or remaining == 0 else links.recv_forward()
     for i in range(remaining):

@@ -25,6 +25,8 @@ MODEL_PARALLEL_RNG = "model-parallel-rng"
 _TP_SEED_OFFSET = 2718  # Megatron's offset: the TP seeds differ from the data seed
 _MASK64 = (1 << 64) - 1
 _DEFAULT_STREAM, _TENSOR_PARALLEL_STREAM = 1, 2  # stream kinds: their seeds never coincide
+_LAYER_STREAM, _LAYER_TENSOR_PARALLEL_STREAM = 3, 4
+_ACTIVE: list[tuple[MicroBatchStreams, int, int]] = []  # the training micro-batch running: (streams, step, index)
 
 
 def _device_of_default() -> str:
@@ -174,6 +176,12 @@ class MicroBatchStreams:
         self.seed = int(seed)
         self.pp_rank, self.tp_rank, self.tp_size = pp_rank, tp_rank, tp_size
 
+    def layer_seeds(self, step: int, index: int, layer: int) -> tuple[int, int]:
+        """(default generator seed, tracker seed) of layer `layer` (its number in the whole model)
+        in micro-batch `index` of step `step`: no pipeline stage in them, so every layout agrees."""
+        return (stream_seed(self.seed, _LAYER_STREAM, step, index, layer),
+                stream_seed(self.seed, _LAYER_TENSOR_PARALLEL_STREAM, step, index, layer, self.tp_rank))
+
     def seeds(self, step: int, index: int) -> tuple[int, int]:
         """(default generator seed, tracker seed) of micro-batch `index` of step `step` (0-based)."""
         return (stream_seed(self.seed, _DEFAULT_STREAM, step, index, self.pp_rank),
@@ -193,7 +201,27 @@ class MicroBatchStreams:
             torch.default_generator.manual_seed(default_seed)
             if device == "cuda":
                 torch.cuda.manual_seed(default_seed)  # the current device only, which fork_rng restores
+            _ACTIVE.append((self, step, index))
             try:
                 yield
             finally:
+                _ACTIVE.pop()
                 _TRACKER.set_states(saved_tracker)
+
+
+def layer_stream(layer: int):
+    """Inside a training micro-batch (MicroBatchStreams.micro_batch), seed the generators for
+    layer `layer` of the whole model from (seed, step, micro-batch, layer[, TP rank]): a layer's
+    dropout masks are then the same whichever pipeline stage, or model chunk, runs it. Outside one
+    (evaluation, generation, a model used without the engine) nothing changes. Seeds, and
+    returns nothing to undo: micro_batch() restores the process's generators at its end."""
+    if not _ACTIVE:
+        return
+    streams, step, index = _ACTIVE[-1]
+    default_seed, tracker_seed = streams.layer_seeds(step, index, layer)
+    torch.default_generator.manual_seed(default_seed)
+    if _device_of_default() == "cuda":
+        torch.cuda.manual_seed(default_seed)
+    if streams.tp_size > 1:
+        _TRACKER.reset()
+        _TRACKER.add(MODEL_PARALLEL_RNG, tracker_seed)

@@ -3,9 +3,10 @@ match the single-process model: same seed, same data, 10 steps.
 
 Against the single process, dropout is 0, and only there: as in Megatron, a TP rank draws its own
 masks inside the tensor-parallel region (its attention heads; its sequence shard under SP: the
-tracker, seeded per TP rank) and the same masks as its TP peers outside it, and each pipeline
-stage draws from its own stream (Megatron: seed + 100 x stage). A split model therefore runs other
-masks than the whole one, equally valid but not equal. With dropout on (0.1), the tests below
+tracker, seeded per TP rank) and the same masks as its TP peers outside it. A TP-split model
+therefore runs other masks than the whole one, equally valid but not equal. (Each GPT layer draws
+from its own stream, keyed by its number in the whole model, whichever pipeline stage runs it: the
+interleaved pipeline below equals the single process with dropout on.) With dropout on (0.1), the tests below
 check what must then be exact: data parallelism and ZeRO inside a model-parallel layout (same
 micro-batches, same masks), recomputation, and TP peers staying identical where they replicate.
 
@@ -22,7 +23,14 @@ import re
 import pytest
 import torch
 
-from tests.training_helpers import NO_DROPOUT, base_config, first_step_gradients, train
+from tests.training_helpers import (
+    LAYERS_PER_VIRTUAL_STAGE,
+    NO_DROPOUT,
+    base_config,
+    build_engine,
+    first_step_gradients,
+    train,
+)
 
 STEPS = 10
 LOSS_RTOL = 1e-5
@@ -67,8 +75,8 @@ def reference_gradients(pools, token_dataset_prefix_module):
     return pools(1).run(first_step_gradients, token_dataset_prefix_module, None, NO_DROPOUT)[0]
 
 
-def _assert_losses(ref: list[float], other: list[float], rtol: float) -> None:
-    assert len(ref) == len(other) == STEPS
+def _assert_losses(ref: list[float], other: list[float], rtol: float, steps: int = STEPS) -> None:
+    assert len(ref) == len(other) == steps
     for step, (a, b) in enumerate(zip(ref, other)):
         assert abs(a - b) <= rtol * abs(a), f"step {step}: loss {a} vs {b}"
 
@@ -190,6 +198,87 @@ def test_recompute_is_bit_exact_with_dropout(pools, token_dataset_prefix_module,
     for a, b in zip(plain, recomputed):
         assert a["losses"] == b["losses"]
         assert all(torch.equal(b["params"][k], v) for k, v in a["params"].items())
+
+
+# ---- the interleaved schedule: 2 model chunks per stage, dropout on ------------------------------
+# 4 layers (hidden 32), so PP=2 x v=2 is 4 virtual stages of one layer. Every layer draws its dropout
+# masks from its own stream, keyed by (step, micro-batch, layer of the whole model), not by the stage
+# or chunk running it (megazero.tensor_parallel.random.layer_stream): the pipelined model then draws
+# the single process's masks, and the claims below hold with dropout on.
+INTERLEAVED_MODEL = {"num_layers": 4, "hidden_size": 32}
+INTERLEAVED = {**INTERLEAVED_MODEL, LAYERS_PER_VIRTUAL_STAGE: 1}
+# (name, (TP, PP) layout, model overrides, zero stage, strict p2p)
+INTERLEAVED_LAYOUTS = [
+    ("pp2_v2_strict_p2p", {}, 0, True),
+    ("pp2_v2_zero2_recompute", {"recompute_granularity": "full"}, 2, False),
+]
+SAVE_AT = 4
+
+
+@pytest.fixture(scope="module")
+def interleaved_reference(pools, token_dataset_prefix_module):
+    """The single process, 4 layers, dropout on; the pipeline's 4 micro-batches of 2 (a micro-batch's
+    masks are drawn for its samples: the same samples in another split draw others)."""
+    return pools(1).run(train, base_config(train_micro_batch_size_per_gpu=2), token_dataset_prefix_module, STEPS,
+                        0, None, None, None, INTERLEAVED_MODEL)[0]
+
+
+def _assert_matches(reference: dict, result: dict, losses_from: int = 0) -> None:
+    _assert_losses(reference["losses"][losses_from:], result["losses"], LOSS_RTOL, STEPS - losses_from)
+    assert result["params"].keys() == reference["params"].keys()
+    for key, value in reference["params"].items():
+        torch.testing.assert_close(result["params"][key], value, rtol=0, atol=PARAM_ATOL, msg=key)
+
+
+@pytest.mark.parametrize("name,overrides,stage,strict", INTERLEAVED_LAYOUTS, ids=[x[0] for x in INTERLEAVED_LAYOUTS])
+def test_interleaved_pipeline_matches_single_process_with_dropout(pools, interleaved_reference,
+                                                                  token_dataset_prefix_module, tmp_path, name,
+                                                                  overrides, stage, strict):
+    """PP=2 x v=2 (4 micro-batches of 2) trains as one process, masks included; its checkpoint
+    (saved at step 4, layout-free) loads in one process, which goes on to train as it did."""
+    save_dir = str(tmp_path / "ckpt")
+    results = pools(2).run(_train_strict_p2p if strict else train, _config(stage, 2), token_dataset_prefix_module,
+                           STEPS, 0, save_dir, SAVE_AT, None, {**INTERLEAVED, **overrides}, (1, 2))
+    for result in results:
+        _assert_matches(interleaved_reference, result)
+    assert interleaved_reference["losses"][-1] < interleaved_reference["losses"][0]
+    if not strict:
+        return
+    resumed = pools(1).run(train, base_config(train_micro_batch_size_per_gpu=2), token_dataset_prefix_module, STEPS,
+                           0, None, None, save_dir, INTERLEAVED_MODEL)[0]
+    _assert_matches(results[0], resumed, SAVE_AT)
+
+
+def test_interleaved_pipeline_with_tensor_parallelism_matches_tp_with_dropout(pools, token_dataset_prefix_module):
+    """TP=2 x PP=2 x v=2 trains as TP=2 alone, masks included (a TP rank draws its own attention
+    masks, so TP=2 and one process differ with dropout on: see the module docstring)."""
+    alone = pools(2).run(train, _config(1, 2), token_dataset_prefix_module, STEPS, 0, None, None, None,
+                         INTERLEAVED_MODEL, (2, 1))
+    pipelined = pools(4).run(train, _config(1, 2), token_dataset_prefix_module, STEPS, 0, None, None, None,
+                             INTERLEAVED, (2, 2))
+    for result in pipelined:
+        _assert_matches(alone[0], result)
+
+
+def _evaluate(prefix: str, model_overrides: dict, layout: tuple[int, int] | None) -> list[float]:
+    """engine.eval_batch of the first 3 micro-batches (in eval mode), before any training."""
+    engine, loader = build_engine(_config(0, 2), prefix, 0, model_overrides, layout)
+    engine.eval()
+    data = iter(loader)
+    return [float(engine.eval_batch(next(data))) for _ in range(3)]
+
+
+def test_pipelined_evaluation_matches_single_process(pools, token_dataset_prefix_module):
+    """eval_batch through the pipeline (the training schedules, forward only: plain 1F1B and
+    interleaved) gives the single process's losses on every rank."""
+    expected = pools(1).run(_evaluate, token_dataset_prefix_module, INTERLEAVED_MODEL, None)[0]
+    runs = [pools(2).run(_evaluate, token_dataset_prefix_module, overrides, (1, 2))
+            for overrides in (INTERLEAVED_MODEL, INTERLEAVED)]
+    runs.append(pools(4).run(_evaluate, token_dataset_prefix_module, INTERLEAVED, (2, 2)))
+    for results in runs:
+        for losses in results:
+            assert losses == pytest.approx(expected, rel=LOSS_RTOL)
+    assert len(set(expected)) == 3
 
 
 def test_pipeline_refuses_zero3(pools, token_dataset_prefix_module):

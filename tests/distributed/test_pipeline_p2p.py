@@ -93,3 +93,84 @@ def _pipeline_gradients(micro: int, strict: bool) -> dict:
 def test_one_f_one_b_gives_the_whole_models_gradients(pools, micro, strict):
     for stage, result in enumerate(pools(STAGES).run(_pipeline_gradients, micro, strict)):
         assert result["max_error"] <= 1e-12, f"stage {stage}: relative gradient error {result['max_error']:.2e}"
+
+
+CHUNKS = 2
+
+
+class _CountingLinks(StageLinks):
+    """StageLinks counting the shape headers it sends."""
+
+    headers = 0
+
+    def _header(self, tensor):
+        _CountingLinks.headers += 1
+        return super()._header(tensor)
+
+
+def _interleaved_gradients(micro: int, strict: bool, runs: int = 1) -> dict:
+    """This stage's model chunks' gradients through the interleaved schedule (chunk c of stage s is
+    layer c * STAGES + s), and the same layers' gradients in the whole model. runs > 1: the inputs
+    all of one shape, the schedule run `runs` times with a shape cache (headers counted per run)."""
+    from megazero.pipeline import interleaved_one_f_one_b
+
+    stage, total = dist.get_rank(), STAGES * CHUNKS
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(torch.nn.Linear(WIDTH, WIDTH, dtype=torch.float64) for _ in range(total))
+    inputs = _inputs(micro) if runs == 1 else [x[:1] for x in _inputs(micro)]
+    for x in inputs:
+        for i, layer in enumerate(layers):
+            x = _loss(layer, x, i == total - 1)
+        x.backward()
+    mine = [layers[c * STAGES + stage] for c in range(CHUNKS)]
+    expected = [runs * p.grad for layer in mine for p in layer.parameters()]
+    layers.zero_grad(set_to_none=True)
+    order, shapes, headers = [], {}, []
+
+    def forward_step(chunk: int, m: int, received):
+        last = chunk == CHUNKS - 1 and stage == STAGES - 1
+        return _loss(mine[chunk], inputs[m] if received is None else received, last)
+
+    def backward_step(chunk: int, m: int, output, output_grad) -> None:
+        order.append((chunk, m))
+        torch.autograd.backward(output, output_grad)
+
+    p2p.set_strict(strict)
+    try:
+        for _ in range(runs):
+            links = _CountingLinks(list(range(STAGES)), stage, dist.group.WORLD, torch.float64, torch.device("cpu"),
+                                   ring=True, shapes=shapes, shape_key="one shape" if runs > 1 else None)
+            _CountingLinks.headers = 0
+            interleaved_one_f_one_b(micro, stage, STAGES, CHUNKS, links, forward_step, backward_step)
+            headers.append(_CountingLinks.headers)
+    finally:
+        p2p.set_strict(None)
+    got = [p.grad for layer in mine for p in layer.parameters()]
+    return {"max_error": max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, expected)),
+            "last_backward": order[-1], "backwards": len(order) // runs, "headers": headers}
+
+
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "default"])
+@pytest.mark.parametrize("micro", [4, 8, 12])  # all warm-up (m == p), and a steady state
+def test_interleaved_schedule_gives_the_whole_models_gradients(pools, micro, strict):
+    for stage, result in enumerate(pools(STAGES).run(_interleaved_gradients, micro, strict)):
+        assert result["max_error"] <= 1e-12, f"stage {stage}: relative gradient error {result['max_error']:.2e}"
+        assert result["backwards"] == micro * CHUNKS and result["last_backward"] == (0, micro - 1)
+
+
+def test_shape_cache_leaves_out_the_headers_it_has_seen(pools):
+    """Strict mode, 3 runs of the schedule over one shape cache: the first sends each link's
+    activation and gradient header once (not one per message), the later ones none."""
+    for stage, result in enumerate(pools(STAGES).run(_interleaved_gradients, 8, True, 3)):
+        assert result["max_error"] <= 1e-12, f"stage {stage}: relative gradient error {result['max_error']:.2e}"
+        # in the ring every rank sends activations to the next stage and gradients to the previous one
+        assert result["headers"] == [2, 0, 0], result["headers"]
+
+
+def test_interleaving_needs_a_multiple_of_the_stages():
+    from megazero.pipeline.interleaved import check_interleaving
+
+    with pytest.raises(ValueError, match=r"gradient_accumulation_steps = 6\) to be a multiple of the "
+                                         r"pipeline-parallel size 4"):
+        check_interleaving(6, STAGES, CHUNKS)
+    check_interleaving(6, STAGES, 1)  # plain 1F1B takes any number

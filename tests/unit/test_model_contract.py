@@ -64,6 +64,32 @@ def test_stages_name_their_parameters_globally_and_tie_the_embedding(model_class
     assert [s.layers for s in stages] == stage_layers(config, 2)
 
 
+def test_model_chunks_name_their_parameters_globally_and_tie_the_embedding():
+    """Interleaving, PP=2 x v=2 over 4 layers: stage 0 holds virtual stages 0 and 2 (layers 0, 2),
+    stage 1 virtual stages 1 and 3 (layers 1, 3, the head); each chunk starts as the whole model."""
+    from models.parallelize import build_chunks
+
+    config = GPTConfig(vocab_size=64, seq_length=8, num_layers=4, hidden_size=16, num_attention_heads=2,
+                       make_vocab_size_divisible_by=8)
+    torch.manual_seed(0)
+    whole = dict(GPT(config).named_parameters())
+    seen = {}
+    for stage in range(2):
+        torch.manual_seed(0)
+        chunks = build_chunks(config, stage, 2, 2)
+        assert [c.layers for c in chunks.chunks] == [range(stage, stage + 1), range(stage + 2, stage + 3)]
+        rename = global_name_of(chunks)
+        seen.update({rename(name): p for name, p in chunks.named_parameters()})
+        tied = chunks.chunks[0].wte.weight if stage == 0 else chunks.chunks[1].wte.weight
+        assert [id(p) for p in tied_parameters(chunks)] == [id(tied)]
+        assert total_parameters(chunks) == total_parameters(GPT(config))
+    assert seen.keys() == whole.keys()
+    assert all(torch.equal(seen[name], p) for name, p in whole.items())
+    with pytest.raises(ValueError, match="num_layers 4 is not divisible by pipeline_model_parallel_size 2 x "
+                                         "num_layers_per_virtual_pipeline_stage 3"):
+        parallelize(config, _grid(1, 2, 0), 3)
+
+
 def test_a_plain_module_is_a_model_in_one_piece():
     module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
     assert not implements_contract(module)
