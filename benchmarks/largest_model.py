@@ -172,6 +172,9 @@ def main() -> None:
     # glibc reserves 64 MiB of address space per malloc arena (one per thread): under RLIMIT_AS that
     # reservation, not memory in use, would decide what fits once the I/O op's threads run
     os.environ.setdefault("MALLOC_ARENA_MAX", "2")
+    # and large buffers (gathered units, swap buffers) come from mmap and go back at free, not from a heap
+    # that only grows: freed between live small blocks, the heap's space is reserved for good
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
     per_layer = 12 * args.hidden ** 2
     budget = args.rank_memory_gib * 2 ** 30 * 0.8
     rows = {}
