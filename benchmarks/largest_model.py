@@ -76,6 +76,13 @@ def one_step(kind: str, layers: int, args) -> float:
     return time.perf_counter() - start
 
 
+def _vm() -> str:
+    """This process's peak address space (what RLIMIT_AS caps) and peak resident memory."""
+    with open("/proc/self/status") as f:
+        status = dict(line.split(":", 1) for line in f if ":" in line)
+    return ", ".join(f"{k} {int(status[k].split()[0]) / 1024:,.0f} MiB" for k in ("VmPeak", "VmHWM") if k in status)
+
+
 def worker(rank: int, port: int, kind: str, layers: int, args, queue) -> None:
     limit = int(args.rank_memory_gib * 2 ** 30)
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
@@ -89,6 +96,7 @@ def worker(rank: int, port: int, kind: str, layers: int, args, queue) -> None:
         where = traceback.extract_tb(e.__traceback__)[-1]
         print(f"rank {rank}, {kind}, {layers} layers: {type(e).__name__}: {str(e)[:200]} "
               f"({os.path.basename(where.filename)}:{where.lineno})", flush=True)
+    print(f"rank {rank}, {kind}, {layers} layers: {_vm()}", flush=True)
     queue.put(seconds)
     queue.close()
     queue.join_thread()  # flush before leaving: os._exit skips the queue's feeder thread
