@@ -25,6 +25,7 @@ import resource
 import socket
 import time
 import traceback
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -123,6 +124,12 @@ def fits(kind: str, layers: int, args) -> float | None:
         p.join(timeout=5)
         if p.is_alive():
             p.kill()
+    if kind == "zero3-nvme":  # the ranks leave by os._exit (no atexit clean-up): remove their swap files
+        from megazero.zero.swap import ROOT_NAME, remove_stale_runs
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            remove_stale_runs(os.path.join(args.swap_dir, ROOT_NAME))
     ok = len(results) == 2 and all(r is not None for r in results)
     return max(results) if ok else None
 

@@ -18,7 +18,8 @@
   all its uses' backward is done, and it stays whole in between.
 - Saved tensors: inside a forward of the model, what autograd saves that views a gathered
   parameter buffer (`F.linear` saves `weight.t()`) is kept by position and rebuilt from the
-  buffer gathered again for backward (`megazero.zero.saved_views`), so a release frees memory.
+  buffer gathered again for backward (`megazero.zero.saved_views`), so a release frees memory
+  (not in a recomputation inside backward, whose saved tensors activation checkpointing keeps).
 """
 
 from __future__ import annotations
@@ -66,7 +67,9 @@ class UnitHooks:
                     p.register_post_accumulate_grad_hook(lambda p, unit=unit: self._grad_arrived(unit))
 
     def _enter(self, module, args) -> None:
-        if self.forward_depth == 0:
+        # not in a recomputation inside backward: activation checkpointing's own hooks must see
+        # what the recomputed forward saves (and it is freed by the end of the segment's backward)
+        if self.forward_depth == 0 and torch._C._current_autograd_node() is None:
             self._saved_views = saved_parameter_views()
             self._saved_views.__enter__()
         self.forward_depth += 1
