@@ -1,7 +1,9 @@
 """The cost of optimizer offload to NVMe: step time of megazero ZeRO-1/2/3 with
 `offload_optimizer.device: nvme` next to the same stage in memory, on a GPT that fits in memory,
 side by side in one run, and the aio op's bandwidth during it next to `dd` with direct I/O on the
-same file system.
+same file system. With --param-offload, stage 3 only: in memory, parameter offload to NVMe
+(`offload_param.device: nvme`, max_in_cpu 0: every partition read back for each use) and both
+offloads, the same way (ratios to in-memory stage 3).
 
 One process (one gloo rank, the machine's threads), bf16, AdamW (megazero's CPU op), the same
 data and initial weights for every configuration. All six engines live in the process and take
@@ -38,15 +40,19 @@ from megazero.data import GPTDataset, IndexedDataset  # noqa: E402
 from models.gpt import GPT, GPTConfig  # noqa: E402
 
 STAGES = (1, 2, 3)
+# --param-offload: stage 3's rows, by what is offloaded
+PARAM_KINDS = ("param", "both")
 
 
-def _engine(args, stage: int, offload: bool, prefix: str):
+def _engine(args, stage: int, offload, prefix: str):
     megazero.set_seed(0)
     model = GPT(GPTConfig(vocab_size=args.vocab, seq_length=args.seq, num_layers=args.layers, hidden_size=args.hidden,
                           num_attention_heads=args.heads, dropout=0.0))
     zero = {"stage": stage, "reduce_bucket_size": args.bucket, "sub_group_size": args.sub_group_size}
-    if offload:
+    if offload in (True, "both"):
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": args.nvme_path}
+    if offload in ("param", "both"):
+        zero["offload_param"] = {"device": "nvme", "nvme_path": args.nvme_path, "max_in_cpu": 0}
     config = {"train_batch_size": args.batch, "bf16": {"enabled": True}, "gradient_clipping": 1.0,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": zero,
               "steps_per_print": 10**9}
@@ -120,6 +126,8 @@ def main(argv=None) -> None:
     parser.add_argument("--bucket", type=int, default=5_000_000)
     parser.add_argument("--sub-group-size", type=int, default=10_000_000)
     parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--param-offload", action="store_true",
+                        help="stage 3 only: in memory, parameter offload, both offloads")
     parser.add_argument("--steps", type=int, default=2, help="steps per trial")
     parser.add_argument("--prefix", default=os.path.join(REPO, "data", "gpt2", "shakespeare_train_text_document"))
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "offload.json"))
@@ -127,6 +135,8 @@ def main(argv=None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29561"), RANK="0",
                       WORLD_SIZE="1", LOCAL_RANK="0")
     dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(minutes=30))
+    if args.param_offload:
+        return _param_offload(args)
     names = [(s, o) for s in STAGES for o in (False, True)]
     engines = {n: _engine(args, *n, args.prefix) for n in names}
     clocks = {n: _timed_offload_pass(engines[n][0]) for n in names if n[1]}
@@ -167,6 +177,37 @@ def main(argv=None) -> None:
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"num_params": psi, "rows": rows, "op_alone": alone, "dd": dd, "args": vars(args)}, f, indent=2)
+    for engine, _ in engines.values():
+        if hasattr(engine.dp, "close"):
+            engine.dp.close()
+    dist.destroy_process_group()
+
+
+def _param_offload(args) -> None:
+    """Stage 3 in memory, with parameter offload, with both offloads: alternating trials, as main()."""
+    names = [False, *PARAM_KINDS]
+    engines = {n: _engine(args, 3, n, args.prefix) for n in names}
+    for engine, data in engines.values():  # warm-up: the first step makes the optimizer states
+        engine.train_batch(data)
+    times = {n: [] for n in names}
+    for _ in range(args.trials):
+        for n in names:
+            engine, data = engines[n]
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                engine.train_batch(data)
+            times[n].append((time.perf_counter() - start) / args.steps)
+    psi = sum(s.numel() for s in engines[False][0].dp.parameter_shapes().values())
+    rows = [{"offload": n or "none", "s_per_step": statistics.median(times[n]),
+             "ratio": statistics.median([o / p for o, p in zip(times[n], times[False])])} for n in names]
+    print(f"GPT {psi / 1e6:.1f} M parameters, bf16, AdamW, stage 3; swap files in {args.nvme_path}")
+    print(f"{'offload':<9}{'s/step':>10}{'/ in memory':>13}")
+    for r in rows:
+        print(f"{r['offload']:<9}{r['s_per_step']:>10.3f}{r['ratio']:>13.2f}")
+    out = args.out.replace("offload.json", "param_offload.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"num_params": psi, "rows": rows, "args": vars(args)}, f, indent=2)
     for engine, _ in engines.values():
         if hasattr(engine.dp, "close"):
             engine.dp.close()

@@ -25,6 +25,7 @@ import resource
 import socket
 import time
 import traceback
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -76,6 +77,13 @@ def one_step(kind: str, layers: int, args) -> float:
     return time.perf_counter() - start
 
 
+def _vm() -> str:
+    """This process's peak address space (what RLIMIT_AS caps) and peak resident memory."""
+    with open("/proc/self/status") as f:
+        status = dict(line.split(":", 1) for line in f if ":" in line)
+    return ", ".join(f"{k} {int(status[k].split()[0]) / 1024:,.0f} MiB" for k in ("VmPeak", "VmHWM") if k in status)
+
+
 def worker(rank: int, port: int, kind: str, layers: int, args, queue) -> None:
     limit = int(args.rank_memory_gib * 2 ** 30)
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
@@ -89,6 +97,7 @@ def worker(rank: int, port: int, kind: str, layers: int, args, queue) -> None:
         where = traceback.extract_tb(e.__traceback__)[-1]
         print(f"rank {rank}, {kind}, {layers} layers: {type(e).__name__}: {str(e)[:200]} "
               f"({os.path.basename(where.filename)}:{where.lineno})", flush=True)
+    print(f"rank {rank}, {kind}, {layers} layers: {_vm()}", flush=True)
     queue.put(seconds)
     queue.close()
     queue.join_thread()  # flush before leaving: os._exit skips the queue's feeder thread
@@ -115,6 +124,12 @@ def fits(kind: str, layers: int, args) -> float | None:
         p.join(timeout=5)
         if p.is_alive():
             p.kill()
+    if kind == "zero3-nvme":  # the ranks leave by os._exit (no atexit clean-up): remove their swap files
+        from megazero.zero.swap import ROOT_NAME, remove_stale_runs
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            remove_stale_runs(os.path.join(args.swap_dir, ROOT_NAME))
     ok = len(results) == 2 and all(r is not None for r in results)
     return max(results) if ok else None
 
@@ -172,6 +187,9 @@ def main() -> None:
     # glibc reserves 64 MiB of address space per malloc arena (one per thread): under RLIMIT_AS that
     # reservation, not memory in use, would decide what fits once the I/O op's threads run
     os.environ.setdefault("MALLOC_ARENA_MAX", "2")
+    # and large buffers (gathered units, swap buffers) come from mmap and go back at free, not from a heap
+    # that only grows: freed between live small blocks, the heap's space is reserved for good
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
     per_layer = 12 * args.hidden ** 2
     budget = args.rank_memory_gib * 2 ** 30 * 0.8
     rows = {}

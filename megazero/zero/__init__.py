@@ -32,7 +32,8 @@ def build_data_parallel_state(config: ZeroConfig, model: torch.nn.Module, groups
     if config.stage == 3:
         return ShardedState(model, groups, dp_group, config.stage3_param_persistence_threshold,
                             config.stage3_prefetch_bucket_size, config.reduce_bucket_size, config.overlap_comm,
-                            config.stage3_module_granularity_threshold, param_swap)
+                            config.stage3_module_granularity_threshold, param_swap,
+                            defer_masters=param_swap is not None and config.offload_optimizer.device == "nvme")
     return PartitionedState(groups, dp_group, config.reduce_bucket_size, config.overlap_comm, config.stage, isolate)
 
 

@@ -45,9 +45,11 @@ class _SubGroup:
         self.index = index
         self.name = f"optimizer{index:05d}"
         self.parts = [part for part, _ in entries]
+        self.chunks = [j for _, j in entries]  # each master's index in its part
         self.masters = [part.masters[j] for part, j in entries]
         self.grads = [part.grad_views[j] for part, j in entries]
-        self.numels = [m.numel() for m in self.masters]  # kept: a swapped-out master is empty
+        # kept: a swapped-out (or deferred) master is empty; its gradient view has the chunk's size
+        self.numels = [part.grad_views[j].numel() for part, j in entries]
         self.offsets, total = [], 0
         for numel in self.numels:
             self.offsets.append(total)
@@ -67,12 +69,12 @@ def sub_groups(parts: list, sub_group_size: int) -> list[_SubGroup]:
     elements, never splitting a master chunk nor mixing param groups."""
     out, current, filled, group = [], [], 0, None
     for part in parts:
-        for j, master in enumerate(part.masters):
-            if current and (part.group_index != group or filled + master.numel() > sub_group_size):
+        for j, grad in enumerate(part.grad_views):  # a master chunk's size (a deferred master is empty)
+            if current and (part.group_index != group or filled + grad.numel() > sub_group_size):
                 out.append(_SubGroup(len(out), current))
                 current, filled = [], 0
             current.append((part, j))
-            filled += master.numel()
+            filled += grad.numel()
             group = part.group_index
     if current:
         out.append(_SubGroup(len(out), current))
@@ -112,6 +114,10 @@ class OffloadedState:
         self._resident = 0
         self._slots: list[torch.Tensor] = []
         self.files: SwapFiles | None = None
+        # stage 3 with parameter offload and no copy targets: the step casts each sub-group's masters
+        # into the parameter partitions (update_model would need every master resident at once)
+        self._casts_params = (device == "nvme" and self.separate
+                              and any(getattr(part, "swap", None) is not None for part in inner.parts))
         if on_gpu:
             self._masters_to_host()
         if device == "nvme":
@@ -157,8 +163,11 @@ class OffloadedState:
         if buffer is None or buffer.numel() < need:
             buffer = _aligned(need, self.pin)
         for k, name in enumerate(self.kinds):
-            for master, view in zip(sg.masters, sg.views(buffer, k)):
-                source = master.data if name == "master" else self.optimizer.state[master][name]
+            for part, j, master, view in zip(sg.parts, sg.chunks, sg.masters, sg.views(buffer, k)):
+                if name == "master" and part.master_deferred:  # the same values as the parameter chunk
+                    source = part.shard_views[j]
+                else:
+                    source = master.data if name == "master" else self.optimizer.state[master][name]
                 if source.data_ptr() != view.data_ptr():
                     view.copy_(source.reshape(-1))
         return buffer
@@ -181,15 +190,29 @@ class OffloadedState:
         """Every sub-group to its file (`write`: its content changed; `buffers`: sub-group index ->
         a buffer to reuse) and out of memory."""
         pending = []
+        unbound: dict[int, int] = {}  # id(part) -> its masters swapped out so far
         for sg in self.groups:
             if write and (self.kinds or self._state_keys(sg)):
+                deferred = list({id(p): p for p in sg.parts if p.master_deferred}.values())
+                for part in deferred:
+                    part.swap.load(part)
                 buffer = self._pack(sg, (buffers or {}).get(sg.index))
+                for part in deferred:
+                    part.swap.done(part)
                 sg.kinds_saved = len(self.kinds)
                 pending.append((self.files.submit_write(sg.name, buffer[:sg.kinds_saved * sg.padded]), buffer))
+                while len(pending) > self.buffer_count:  # a bounded number of buffers in flight
+                    self.files.wait(pending.pop(0)[0])
             self._unbind(sg)
+            for part in sg.parts:  # a part's flat master goes once all its masters are out
+                unbound[id(part)] = unbound.get(id(part), 0) + 1
+                if unbound[id(part)] == len(part.masters) and self.separate and hasattr(part, "master_flat"):
+                    part.master_flat = _EMPTY
         self._release_flats()
         for request, _ in pending:
             self.files.wait(request)
+        for part in self.inner.parts:
+            part.master_deferred = False
 
     @contextlib.contextmanager
     def resident(self, dirty: bool = True):
@@ -247,6 +270,7 @@ class OffloadedState:
         size = len(self.kinds) * max((sg.padded for sg in self.groups), default=0)
         reads: dict[int, int | None] = {}
         writes: dict[int, int] = {}
+        cast: dict[int, int] = {}  # id(part) -> its masters cast into its parameter partition so far
 
         def start_read(i: int) -> None:
             if i in reads or i >= n or self.files is None:
@@ -268,6 +292,8 @@ class OffloadedState:
                     self.files.wait(request)
                 self._bind(sg, self._slots[i % k], sg.kinds_saved)
             self._step_sub_group(optimizer, sg, grad_scale)
+            if self._casts_params and not self.copies:
+                self._cast_into_params(sg, cast)
             if self.files is not None:
                 buffer = self._pack(sg, self._slots[i % k])
                 sg.kinds_saved = len(self.kinds)
@@ -278,6 +304,21 @@ class OffloadedState:
                 self._unbind(sg)
         for request in writes.values():
             self.files.wait(request)
+
+    def _cast_into_params(self, sg: _SubGroup, cast: dict[int, int]) -> None:
+        """Cast `sg`'s stepped masters into their parameter partitions (stage 3 parameter offload): a
+        swapped partition is held from its first master's cast and written back after its last, so
+        that at most the partitions `sg` spans are in memory, never every master at once."""
+        with torch.no_grad():
+            for part, j, master in zip(sg.parts, sg.chunks, sg.masters):
+                done = cast.get(id(part), 0)
+                if done == 0 and part.swap is not None:
+                    part.swap.hold_for_overwrite(part)
+                view = part.shard_views[j]
+                view.copy_(master.detach().view_as(view))
+                cast[id(part)] = done = done + 1
+                if done == len(part.masters) and part.swap is not None:
+                    part.swap.write_back(part)
 
     def _step_sub_group(self, optimizer: torch.optim.Optimizer, sg: _SubGroup, grad_scale) -> None:
         host_grads = [g if g.device.type == "cpu" else g.to("cpu", non_blocking=True) for g in sg.grads]
@@ -363,7 +404,9 @@ class OffloadedState:
     def update_model(self, copies_written: bool = False) -> None:
         """The wrapped state's update; the 16-bit copies were written sub-group by sub-group when
         copy targets were set (else the masters are made resident for the cast)."""
-        if self.separate and not (copies_written or self.copies):
+        if self._casts_params and not self.copies:
+            self.inner.update_model(True)  # the step cast them (the persistent ones are re-gathered here)
+        elif self.separate and not (copies_written or self.copies):
             with self.resident(dirty=False):
                 self.inner.update_model(False)
         else:

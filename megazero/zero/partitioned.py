@@ -45,6 +45,7 @@ class _GroupPartition:
         own = self.layout.own_chunks(self.flat_params, self.rank)
         # an fp32 model's own chunks are the master weights themselves: no copy, nothing to cast back
         self.aliased = dtype == torch.float32
+        self.master_deferred = False  # (stage 3's swapped shards may defer their masters; these never)
         if self.aliased:
             self.masters = [torch.nn.Parameter(chunk) for chunk in own]
         else:

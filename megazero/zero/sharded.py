@@ -70,6 +70,7 @@ class _Shard:
         self.grad_views = self.layout.split_partition(self.grad_partition)
         self.full: torch.Tensor | None = None
         self.swap = None  # a ParamSwapper when the partition lives in a swap file (param offload)
+        self.master_deferred = False  # see separate_master()
         self.point_params(full)
         if not persistent:
             self.release()
@@ -81,11 +82,19 @@ class _Shard:
             offset = self.layout.offsets[p]
             p.data = full[offset:offset + self.layout.numels[p]].view(self.layout.shapes[p])
 
-    def separate_master(self) -> None:
+    def separate_master(self, deferred: bool = False) -> None:
         """Give an fp32 shard a master of its own (param offload: the partition leaves memory, the
-        master the optimizer steps must not)."""
+        master the optimizer steps must not). `deferred`: the master is not made here (it would
+        put every master in memory at once): optimizer offload writes it to its swap file from the
+        partition's, which holds the same values (`master_deferred` until then)."""
         if self.aliased:
             self.aliased = False
+            if deferred:
+                self.master_flat = torch.empty(0, dtype=torch.float32, device=self.device)
+                self.masters = [torch.nn.Parameter(torch.empty(0, dtype=torch.float32, device=self.device))
+                                for _ in self.layout.buckets]
+                self.master_deferred = True
+                return
             self.master_flat = self.shard.clone()
             self.masters = [torch.nn.Parameter(v) for v in self.layout.split_partition(self.master_flat)]
 
@@ -149,7 +158,7 @@ class ShardedState(MasterPartitions, PartitionCheckpoint):
     def __init__(self, model: torch.nn.Module, groups: list[list[torch.nn.Parameter]], group,
                  persistence_threshold: int, prefetch_numel: int = 50_000_000,
                  bucket_numel: int = 500_000_000, overlap: bool = True, granularity_threshold: int = 0,
-                 param_swap=None):
+                 param_swap=None, defer_masters: bool = False):
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.bucket_numel = bucket_numel
@@ -174,7 +183,8 @@ class ShardedState(MasterPartitions, PartitionCheckpoint):
                 continue  # parameters outside the optimizer's groups (frozen): left as they are
             if param_swap is not None:
                 for shard in shards:  # all: offload_optimizer treats a state's masters all alike
-                    shard.separate_master()
+                    # defer_masters (optimizer offload to nvme): the swapped ones are written from their files
+                    shard.separate_master(deferred=defer_masters and not shard.persistent)
                     if not shard.persistent:
                         param_swap.add(shard)
             unit = self.fetcher.add(plan.module, shards)
@@ -232,7 +242,7 @@ class ShardedState(MasterPartitions, PartitionCheckpoint):
         the persistent ones."""
         with torch.no_grad():
             for s in self.parts:
-                if s.swap is not None:  # one partition in memory at a time: cast, write back, drop
+                if s.swap is not None and not copies_written:  # one at a time: cast, write back, drop
                     s.swap.hold_for_overwrite(s)
                     s.shard.copy_(s.master_flat)
                     s.swap.write_back(s)

@@ -16,6 +16,10 @@
   tensor, as before; it uses GatheredParameters).
 - A module called several times per forward is fetched for each call; its gradients arrive once
   all its uses' backward is done, and it stays whole in between.
+- Saved tensors: inside a forward of the model, what autograd saves that views a gathered
+  parameter buffer (`F.linear` saves `weight.t()`) is kept by position and rebuilt from the
+  buffer gathered again for backward (`megazero.zero.saved_views`), so a release frees memory
+  (not in a recomputation inside backward, whose saved tensors activation checkpointing keeps).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from megazero.zero.fetch import Unit, UnitFetcher
+from megazero.zero.saved_views import saved_parameter_views
 
 
 class _UnitParameters(dict):
@@ -48,6 +53,7 @@ class UnitHooks:
         self.fetcher = fetcher
         self.forward_depth = 0  # module forwards of this model running now
         self._model = model
+        self._saved_views = None  # the saved-tensor hooks, entered while a forward of the model runs
         for module in model.modules():
             module.register_forward_pre_hook(self._enter)
             module.register_forward_hook(self._exit, always_call=True)
@@ -61,10 +67,18 @@ class UnitHooks:
                     p.register_post_accumulate_grad_hook(lambda p, unit=unit: self._grad_arrived(unit))
 
     def _enter(self, module, args) -> None:
+        # not in a recomputation inside backward: activation checkpointing's own hooks must see
+        # what the recomputed forward saves (and it is freed by the end of the segment's backward)
+        if self.forward_depth == 0 and torch._C._current_autograd_node() is None:
+            self._saved_views = saved_parameter_views()
+            self._saved_views.__enter__()
         self.forward_depth += 1
 
     def _exit(self, module, args, output) -> None:
         self.forward_depth -= 1
+        if self.forward_depth == 0 and self._saved_views is not None:
+            self._saved_views.__exit__(None, None, None)
+            self._saved_views = None
         if module is self._model and self.forward_depth == 0 and not torch.is_grad_enabled():
             for unit in self.fetcher.units:  # no backward follows: free what external reads held
                 if unit.held:
