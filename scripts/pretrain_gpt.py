@@ -24,6 +24,7 @@ def parse_args(argv=None):
     """The shared recipe flags (defaults: the CPU GPT-2 configs) and the end-of-run sample's."""
     p = training.recipe_parser(__doc__, model_config=os.path.join(CONFIGS, "gpt2_cpu.json"),
                                engine_config_path=os.path.join(CONFIGS, "ds_gpt2_cpu.json"))
+    training.add_moe_arguments(p)
     training.add_sampling_arguments(p)
     return p.parse_args(argv)
 
@@ -32,8 +33,9 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     rank, grid, tokenizer = training.start_run(args)
 
-    # the model: --model-config with the size, recompute and parallelism flags; this rank's part of it
-    config = GPTConfig.from_json(args.model_config, vocab_size=tokenizer.vocab_size, **training.model_overrides(args))
+    # the model: --model-config with the size, recompute, parallelism and MoE flags; this rank's part of it
+    config = GPTConfig.from_json(args.model_config, vocab_size=tokenizer.vocab_size, **training.model_overrides(args),
+                                 **training.moe_overrides(args))
     model = parallelize(config, grid)
     args.seq_length = config.seq_length
     num_params = count_parameters(GPT, config.single_process())  # the same at every layout

@@ -34,6 +34,7 @@ def parse_args(argv=None):
                      help="an output layer of its own (this recipe's default)")
     tie.add_argument("--tie-embeddings-and-output-weights", dest="untie", action="store_const", const=False,
                      help="the output layer is the word embedding")
+    training.add_moe_arguments(p)
     training.add_sampling_arguments(p)
     return p.parse_args(argv)
 
@@ -42,10 +43,10 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     rank, grid, tokenizer = training.start_run(args)
 
-    # the model: --model-config with the size, Llama, recompute and parallelism flags; this rank's part
-    overrides = {**training.model_overrides(args), "num_query_groups": args.num_query_groups,
-                 "rope_theta": args.rope_theta, "ffn_hidden_size": args.ffn_hidden_size,
-                 "untie_embeddings_and_output_weights": args.untie}
+    # the model: --model-config with the size, Llama, recompute, parallelism and MoE flags; this rank's part
+    overrides = {**training.model_overrides(args), **training.moe_overrides(args),
+                 "num_query_groups": args.num_query_groups, "rope_theta": args.rope_theta,
+                 "ffn_hidden_size": args.ffn_hidden_size, "untie_embeddings_and_output_weights": args.untie}
     config = LlamaConfig.from_json(args.model_config, vocab_size=tokenizer.vocab_size, **overrides)
     model = parallelize(config, grid)
     args.seq_length = config.seq_length
