@@ -323,14 +323,16 @@ def sample_text(model: torch.nn.Module, tokenizer: SentencePieceTokenizer, promp
 def print_sample(model: torch.nn.Module, tokenizer: SentencePieceTokenizer, args: argparse.Namespace, grid,
                  rank: int) -> None:
     """Rank 0 prints a sample of --sample-tokens after --sample-prompt; under tensor parallelism its
-    TP peers generate alongside (the forward has collectives). A pipelined model is not sampled
-    here (it needs the whole model)."""
+    TP peers (and its expert-parallel peers) generate alongside (the forward has collectives). A
+    pipelined model is not sampled here (it needs the whole model)."""
     if grid.pipeline_model_parallel_size > 1:
         if rank == 0:
             print("(no sample: the model is split into pipeline stages; scripts/generate.py --load <save dir> "
                   "samples from the checkpoint, joining the stages)", flush=True)
         return
-    if grid.dp_rank != 0:
+    # with expert parallelism the MoE layers' all-to-alls need the EP peers of DP rank 0 (DP ranks
+    # 0..EP-1): they generate the same text alongside it
+    if grid.dp_rank >= grid.expert_model_parallel_size:
         return
     text = sample_text(model, tokenizer, args.sample_prompt, args.sample_tokens, args.seed)
     if rank == 0:
