@@ -13,7 +13,7 @@ import os
 from megazero import training
 from megazero.causal_lm_recipe import causal_lm_run
 from megazero.profiling import gpt_flops_per_token
-from models.common import count_parameters
+from models.common import count_active_parameters, count_parameters
 from models.gpt import GPT, GPTConfig
 from models.parallelize import parallelize
 
@@ -39,7 +39,8 @@ def main(argv=None) -> dict:
     model = parallelize(config, grid)
     args.seq_length = config.seq_length
     num_params = count_parameters(GPT, config.single_process())  # the same at every layout
-    flops = gpt_flops_per_token(num_params, config.num_layers, config.hidden_size, args.seq_length)
+    active = count_active_parameters(GPT, config.single_process())  # MoE: the experts a token visits
+    flops = gpt_flops_per_token(active, config.num_layers, config.hidden_size, args.seq_length)
 
     # the data (--data-path: one prefix, or weights and prefixes to blend), validation and the end of the run
     run = causal_lm_run(args, model, tokenizer, grid, rank)

@@ -15,7 +15,7 @@ import os
 from megazero import training
 from megazero.causal_lm_recipe import causal_lm_run
 from megazero.profiling import gpt_flops_per_token
-from models.common import count_parameters
+from models.common import count_active_parameters, count_parameters
 from models.llama import Llama, LlamaConfig
 from models.parallelize import parallelize
 
@@ -51,7 +51,8 @@ def main(argv=None) -> dict:
     model = parallelize(config, grid)
     args.seq_length = config.seq_length
     num_params = count_parameters(Llama, config.single_process())  # the same at every layout
-    flops = gpt_flops_per_token(num_params, config.num_layers, config.hidden_size, args.seq_length)
+    active = count_active_parameters(Llama, config.single_process())  # MoE: the experts a token visits
+    flops = gpt_flops_per_token(active, config.num_layers, config.hidden_size, args.seq_length)
 
     # the data (--data-path: one prefix, or weights and prefixes to blend), validation and the end of the run
     run = causal_lm_run(args, model, tokenizer, grid, rank)
