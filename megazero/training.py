@@ -28,6 +28,7 @@ from megazero.data import DistributedBatchLoader, SentencePieceTokenizer
 from megazero.data.blended_dataset import parse_data_path
 from megazero.data.data_paths import DataSplits, build_splits, first_prefix
 from megazero.distributed import all_reduce_values
+from megazero.moe import moe_stats
 from megazero.profiling import measure_peak_flops
 from megazero.profiling.throughput import peak_cache_path
 
@@ -139,6 +140,29 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sample-tokens", type=int, default=120)
 
 
+def add_moe_arguments(parser: argparse.ArgumentParser) -> None:
+    """Megatron's mixture-of-experts flags (GPT and Llama: every --moe-layer-freq-th layer's MLP
+    becomes --num-experts experts, split over --expert-model-parallel-size data-parallel ranks);
+    `moe_overrides` gives the model-config fields they set."""
+    g = parser.add_argument_group("mixture of experts")
+    g.add_argument("--num-experts", type=int, help="experts per MoE layer (default: the config's; none: dense)")
+    g.add_argument("--moe-router-topk", type=int, help="experts per token, 1 or 2 (default: the config's, else 2)")
+    g.add_argument("--moe-layer-freq", type=int, help="every Nth layer (0, N, 2N, ...) is an MoE layer (default 1)")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="ranks the experts are split over; divides the data-parallel size")
+    g.add_argument("--moe-capacity-factor", type=float,
+                   help="each expert keeps at most factor x tokens x topk / experts routings (default: dropless)")
+    g.add_argument("--moe-aux-loss-coeff", type=float, help="load-balancing loss weight (default: the config's, 0.01)")
+    g.add_argument("--moe-z-loss-coeff", type=float, help="router z-loss weight (default: the config's, 0)")
+
+
+def moe_overrides(args: argparse.Namespace) -> dict:
+    """The model-config fields add_moe_arguments' flags set (None keeps the JSON's)."""
+    return {"num_experts": args.num_experts, "moe_router_topk": args.moe_router_topk,
+            "moe_layer_freq": args.moe_layer_freq, "moe_capacity_factor": args.moe_capacity_factor,
+            "moe_aux_loss_coeff": args.moe_aux_loss_coeff, "moe_z_loss_coeff": args.moe_z_loss_coeff}
+
+
 def model_overrides(args: argparse.Namespace) -> dict:
     """The model-config fields the shared flags set, for ModelConfig.from_json (None keeps the JSON's)."""
     return {"num_layers": args.num_layers, "hidden_size": args.hidden_size,
@@ -191,8 +215,14 @@ def start_run(args: argparse.Namespace):
     """Threads, process group, model-parallel grid, seed and tokenizer: (rank, grid, tokenizer)."""
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     megazero.init_distributed()
-    grid = parallel_state.initialize_model_parallel(args.tensor_model_parallel_size,
-                                                    args.pipeline_model_parallel_size)
+    ep = getattr(args, "expert_model_parallel_size", 1)  # add_moe_arguments' flag (GPT, Llama)
+    try:
+        grid = parallel_state.initialize_model_parallel(args.tensor_model_parallel_size,
+                                                        args.pipeline_model_parallel_size, ep)
+    except ValueError as e:  # sizes that do not divide: one line per rank naming them, not a traceback
+        raise SystemExit(f"[megazero] rank {dist.get_rank()}: --tensor-model-parallel-size "
+                         f"{args.tensor_model_parallel_size}, --pipeline-model-parallel-size "
+                         f"{args.pipeline_model_parallel_size}, --expert-model-parallel-size {ep}: {e}") from None
     megazero.set_seed(args.seed)
     return dist.get_rank(), grid, SentencePieceTokenizer(args.tokenizer_model)
 
@@ -295,14 +325,16 @@ def sample_text(model: torch.nn.Module, tokenizer: SentencePieceTokenizer, promp
 def print_sample(model: torch.nn.Module, tokenizer: SentencePieceTokenizer, args: argparse.Namespace, grid,
                  rank: int) -> None:
     """Rank 0 prints a sample of --sample-tokens after --sample-prompt; under tensor parallelism its
-    TP peers generate alongside (the forward has collectives). A pipelined model is not sampled
-    here (it needs the whole model)."""
+    TP peers (and its expert-parallel peers) generate alongside (the forward has collectives). A
+    pipelined model is not sampled here (it needs the whole model)."""
     if grid.pipeline_model_parallel_size > 1:
         if rank == 0:
             print("(no sample: the model is split into pipeline stages; scripts/generate.py --load <save dir> "
                   "samples from the checkpoint, joining the stages)", flush=True)
         return
-    if grid.dp_rank != 0:
+    # with expert parallelism the MoE layers' all-to-alls need the EP peers of DP rank 0 (DP ranks
+    # 0..EP-1): they generate the same text alongside it
+    if grid.dp_rank >= grid.expert_model_parallel_size:
         return
     text = sample_text(model, tokenizer, args.sample_prompt, args.sample_tokens, args.seed)
     if rank == 0:
@@ -316,6 +348,7 @@ class ProgressLog:
         self.engine, self.args, self.rank = engine, args, rank
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         self.losses: list[float] = []
+        self.moe: list[dict[str, float]] = []  # moe_stats of each iteration of the window (MoE models only)
         self.window_start = time.perf_counter()
         self._start_window_counts()
         self.run_start_iter = engine.global_steps
@@ -328,6 +361,9 @@ class ProgressLog:
     def record(self, loss: float) -> None:
         """Add this iteration's loss; at the end of a log interval, print and log the window."""
         self.losses.append(loss)
+        stats = moe_stats(self.engine.module)
+        if stats:
+            self.moe.append(stats)
         it = self.engine.global_steps
         if it % self.args.log_interval and it != self.args.train_iters:
             return
@@ -346,6 +382,8 @@ class ProgressLog:
         # dynamic loss scale explains (fp32, bf16)
         skipped = self.engine.skipped_steps - self.skipped_before
         nans = self.engine.nan_steps - self.nan_before
+        moe = self._moe_window()
+        moe_line = "".join(f" | {name}: {value:.4g}" for name, value in moe.items())
         if self.rank == 0:
             grad_norm = self.engine.last_grad_norm or 0.0
             print(f" iteration {it:6d}/{self.args.train_iters} | consumed samples {self.engine.global_samples:8d} | "
@@ -354,7 +392,7 @@ class ProgressLog:
                   f"grad norm: {grad_norm:.3f} | number of skipped iterations: {skipped:3d} | "
                   f"number of nan iterations: {nans:3d} | "
                   f"tokens/s: {tokens_per_s:,.0f} | TFLOP/s per rank: {tflops_per_rank:.3f} | MFU: {100 * mfu:.1f}% | "
-                  f"ETA: {eta / 60:.1f} min", flush=True)
+                  f"ETA: {eta / 60:.1f} min{moe_line}", flush=True)
             if mfu > 1 and not self.warned_mfu:  # the cached peak was measured while the machine was busy
                 self.warned_mfu = True
                 print(f"[megazero] MFU above 100%: the matmul peak ({self.peak_flops / 1e9:.1f} GFLOP/s per rank) is "
@@ -365,10 +403,29 @@ class ProgressLog:
             "loss-scale": self.engine.get_loss_scale(), "grad-norm": self.engine.last_grad_norm or 0.0,
             "skipped-iterations": skipped, "nan-iterations": nans,
             "iteration-time": elapsed / iters, "throughput/tokens-per-sec": tokens_per_s,
-            "throughput/tflops-per-rank": tflops_per_rank, "throughput/mfu": mfu})
-        self.losses = []
+            "throughput/tflops-per-rank": tflops_per_rank, "throughput/mfu": mfu, **moe})
+        self.losses, self.moe = [], []
         self.window_start = time.perf_counter()
         self._start_window_counts()
+
+
+    def _moe_window(self) -> dict[str, float]:
+        """The MoE scalars of the window (none for a dense model): the weighted load-balancing loss
+        (and the z-loss when it is on), summed over this stage's MoE layers, and the fraction of
+        routing assignments dropped, each the mean of the iterations' last micro-batches; the fewest
+        and most tokens routed to one expert in any layer and iteration. The values of this rank's
+        expert-parallel group (every EP rank has the same)."""
+        if not self.moe:
+            return {}
+        n = len(self.moe)
+        out = {"moe aux loss": sum(s["load_balancing"] for s in self.moe) / n}
+        z = sum(s["z_loss"] for s in self.moe) / n
+        if z:
+            out["moe z loss"] = z
+        out["moe dropped fraction"] = sum(s["dropped_fraction"] for s in self.moe) / n
+        out["moe tokens per expert min"] = min(s["tokens_per_expert_min"] for s in self.moe)
+        out["moe tokens per expert max"] = max(s["tokens_per_expert_max"] for s in self.moe)
+        return out
 
 
 class StopSignal:
@@ -460,9 +517,10 @@ def train(args: argparse.Namespace, model: torch.nn.Module, train_data, *, grid,
                                                  device=next(model.parameters()).device)
     if rank == 0:
         extra = f", {details(peak)}" if details is not None else ""
+        ep = f" (EP {grid.expert_model_parallel_size})" if grid.expert_model_parallel_size > 1 else ""
         print(f"{name}: {num_params:,} parameters, {dist.get_world_size()} ranks = TP "
               f"{grid.tensor_model_parallel_size} x PP {grid.pipeline_model_parallel_size} x DP "
-              f"{grid.data_parallel_size}, batch {engine.train_batch_size()} = "
+              f"{grid.data_parallel_size}{ep}, batch {engine.train_batch_size()} = "
               f"{engine.train_micro_batch_size_per_gpu()} x {engine.gradient_accumulation_steps()} x "
               f"{engine.dp_world_size}, {engine.config.compute_dtype}{extra}", flush=True)
     stop = StopSignal()

@@ -164,3 +164,16 @@ def count_parameters(model_class, config: ModelConfig) -> int:
     must not move them)."""
     with skeleton():
         return model_class(config.whole()).num_parameters()
+
+
+def count_active_parameters(model_class, config: ModelConfig) -> int:
+    """Parameters one token passes through, for FLOPs and MFU: count_parameters with each MoE
+    layer's experts counted moe_router_topk / num_experts times (a token visits topk of them; the
+    routers and every dense layer count whole). A dense model's is its count_parameters."""
+    with skeleton():
+        model = model_class(config.whole())
+        total = model.num_parameters()
+        if getattr(config, "num_experts", None) is None:
+            return total
+        experts = sum(p.numel() for p in model.parameters() if getattr(p, "megazero_expert", False))
+        return total - experts + experts * config.moe_router_topk // config.num_experts

@@ -8,6 +8,8 @@ What it decides, for this rank of the grid:
   column/row-parallel linears, vocab-parallel embedding and LayerNorms hold this rank's shard
   (and split activations along the sequence where config.sequence_parallel is set); the config's
   tensor_model_parallel_size must be the grid's;
+- expert parallelism: a config with num_experts gets the grid's expert-parallel group, over which
+  its MoE layers split their experts (megazero/moe/);
 - the pipeline stage: which of the config's layers this stage holds (`stage_layers`: contiguous
   ranges balanced by parameter count), whether it embeds (first stage) and holds the head and
   loss (last stage), and so whether its word embedding is tied to a copy on another stage;
@@ -107,12 +109,17 @@ def stage_layers(config: ModelConfig, num_stages: int) -> list[range]:
     return balanced_stage_layers([block] * config.num_layers, num_stages, first_extra, last_extra)
 
 
-def build_stage(config: ModelConfig, stage: int = 0, num_stages: int = 1, tp_group=None) -> torch.nn.Module:
+def build_stage(config: ModelConfig, stage: int = 0, num_stages: int = 1, tp_group=None,
+                ep_group=None) -> torch.nn.Module:
     """Pipeline stage `stage` of `num_stages` of the model, over `tp_group` (None: unsharded), on
-    the current default device. Also builds the stages of another layout (checkpoint conversion
-    builds them on the meta device)."""
+    the current default device, its MoE layers' experts split over `ep_group` (None: all here;
+    only for a config with num_experts). Also builds the stages of another layout (checkpoint
+    conversion builds them on the meta device)."""
     layers = stage_layers(config, num_stages)[stage]
-    return model_class(config)(config, tp_group, layers, pre_process=stage == 0, post_process=stage == num_stages - 1)
+    # the one place the expert-parallel group reaches a model: GPT's and Llama's MoE layers
+    experts = {"ep_group": ep_group} if getattr(config, "num_experts", None) is not None else {}
+    return model_class(config)(config, tp_group, layers, pre_process=stage == 0, post_process=stage == num_stages - 1,
+                               **experts)
 
 
 class Recomputed:
@@ -202,6 +209,10 @@ def _check_grid(config: ModelConfig, grid: ParallelGrid) -> None:
         raise ValueError(f"{type(config).__name__}.tensor_model_parallel_size is {config.tensor_model_parallel_size} "
                          f"but the grid's tensor-parallel size is {grid.tensor_model_parallel_size}: set the config's "
                          f"to the grid's")
+    if grid.expert_model_parallel_size > 1 and getattr(config, "num_experts", None) is None:
+        raise ValueError(f"the grid's expert_model_parallel_size is {grid.expert_model_parallel_size} but the "
+                         f"{type(config).__name__} has no experts (num_experts None): set num_experts "
+                         f"(--num-experts) or expert_model_parallel_size 1")
 
 
 def _speed_options(model: torch.nn.Module, config: ModelConfig) -> torch.nn.Module:
@@ -213,7 +224,8 @@ def _speed_options(model: torch.nn.Module, config: ModelConfig) -> torch.nn.Modu
     return model
 
 
-def build_chunks(config: ModelConfig, stage: int, num_stages: int, num_chunks: int, tp_group=None) -> ModelChunks:
+def build_chunks(config: ModelConfig, stage: int, num_stages: int, num_chunks: int, tp_group=None,
+                 ep_group=None) -> ModelChunks:
     """Stage `stage`'s model chunks for the interleaved schedule: chunk c is virtual stage c * p +
     stage of the model split into p * v stages (balanced by parameter count, as stage_layers).
     Each chunk is built from the same generator state, so it draws the seeds a whole model does."""
@@ -221,7 +233,8 @@ def build_chunks(config: ModelConfig, stage: int, num_stages: int, num_chunks: i
     chunks = []
     for c in range(num_chunks):
         torch.set_rng_state(state)
-        chunks.append(build_stage(config, chunk_stage(c, stage, num_stages), num_stages * num_chunks, tp_group))
+        chunks.append(build_stage(config, chunk_stage(c, stage, num_stages), num_stages * num_chunks, tp_group,
+                                  ep_group))
     return ModelChunks(chunks)
 
 
@@ -244,8 +257,8 @@ def parallelize(config: ModelConfig, grid: ParallelGrid | None = None,
     pp = grid.pipeline_model_parallel_size
     num_chunks = chunk_count(config.num_layers, pp, num_layers_per_virtual_stage)
     if num_chunks == 1:
-        return _speed_options(build_stage(config, grid.pp_rank, pp, grid.tp_group), config)
-    model = build_chunks(config, grid.pp_rank, pp, num_chunks, grid.tp_group)
+        return _speed_options(build_stage(config, grid.pp_rank, pp, grid.tp_group, grid.ep_group), config)
+    model = build_chunks(config, grid.pp_rank, pp, num_chunks, grid.tp_group, grid.ep_group)
     for chunk in model.chunks:
         _speed_options(chunk, config)
     return model

@@ -13,7 +13,7 @@ import os
 from megazero import training
 from megazero.causal_lm_recipe import causal_lm_run
 from megazero.profiling import gpt_flops_per_token
-from models.common import count_parameters
+from models.common import count_active_parameters, count_parameters
 from models.gpt import GPT, GPTConfig
 from models.parallelize import parallelize
 
@@ -24,6 +24,7 @@ def parse_args(argv=None):
     """The shared recipe flags (defaults: the CPU GPT-2 configs) and the end-of-run sample's."""
     p = training.recipe_parser(__doc__, model_config=os.path.join(CONFIGS, "gpt2_cpu.json"),
                                engine_config_path=os.path.join(CONFIGS, "ds_gpt2_cpu.json"))
+    training.add_moe_arguments(p)
     training.add_sampling_arguments(p)
     return p.parse_args(argv)
 
@@ -32,12 +33,14 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     rank, grid, tokenizer = training.start_run(args)
 
-    # the model: --model-config with the size, recompute and parallelism flags; this rank's part of it
-    config = GPTConfig.from_json(args.model_config, vocab_size=tokenizer.vocab_size, **training.model_overrides(args))
+    # the model: --model-config with the size, recompute, parallelism and MoE flags; this rank's part of it
+    config = GPTConfig.from_json(args.model_config, vocab_size=tokenizer.vocab_size, **training.model_overrides(args),
+                                 **training.moe_overrides(args))
     model = parallelize(config, grid, args.num_layers_per_virtual_pipeline_stage)
     args.seq_length = config.seq_length
     num_params = count_parameters(GPT, config.single_process())  # the same at every layout
-    flops = gpt_flops_per_token(num_params, config.num_layers, config.hidden_size, args.seq_length)
+    active = count_active_parameters(GPT, config.single_process())  # MoE: the experts a token visits
+    flops = gpt_flops_per_token(active, config.num_layers, config.hidden_size, args.seq_length)
 
     # the data (--data-path: one prefix, or weights and prefixes to blend), validation and the end of the run
     run = causal_lm_run(args, model, tokenizer, grid, rank)

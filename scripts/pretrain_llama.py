@@ -15,7 +15,7 @@ import os
 from megazero import training
 from megazero.causal_lm_recipe import causal_lm_run
 from megazero.profiling import gpt_flops_per_token
-from models.common import count_parameters
+from models.common import count_active_parameters, count_parameters
 from models.llama import Llama, LlamaConfig
 from models.parallelize import parallelize
 
@@ -34,6 +34,7 @@ def parse_args(argv=None):
                      help="an output layer of its own (this recipe's default)")
     tie.add_argument("--tie-embeddings-and-output-weights", dest="untie", action="store_const", const=False,
                      help="the output layer is the word embedding")
+    training.add_moe_arguments(p)
     training.add_sampling_arguments(p)
     return p.parse_args(argv)
 
@@ -42,15 +43,16 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     rank, grid, tokenizer = training.start_run(args)
 
-    # the model: --model-config with the size, Llama, recompute and parallelism flags; this rank's part
-    overrides = {**training.model_overrides(args), "num_query_groups": args.num_query_groups,
-                 "rope_theta": args.rope_theta, "ffn_hidden_size": args.ffn_hidden_size,
-                 "untie_embeddings_and_output_weights": args.untie}
+    # the model: --model-config with the size, Llama, recompute, parallelism and MoE flags; this rank's part
+    overrides = {**training.model_overrides(args), **training.moe_overrides(args),
+                 "num_query_groups": args.num_query_groups, "rope_theta": args.rope_theta,
+                 "ffn_hidden_size": args.ffn_hidden_size, "untie_embeddings_and_output_weights": args.untie}
     config = LlamaConfig.from_json(args.model_config, vocab_size=tokenizer.vocab_size, **overrides)
     model = parallelize(config, grid, args.num_layers_per_virtual_pipeline_stage)
     args.seq_length = config.seq_length
     num_params = count_parameters(Llama, config.single_process())  # the same at every layout
-    flops = gpt_flops_per_token(num_params, config.num_layers, config.hidden_size, args.seq_length)
+    active = count_active_parameters(Llama, config.single_process())  # MoE: the experts a token visits
+    flops = gpt_flops_per_token(active, config.num_layers, config.hidden_size, args.seq_length)
 
     # the data (--data-path: one prefix, or weights and prefixes to blend), validation and the end of the run
     run = causal_lm_run(args, model, tokenizer, grid, rank)

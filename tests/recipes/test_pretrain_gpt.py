@@ -67,3 +67,29 @@ def test_pretrain_gpt_trains_logs_saves_and_resumes(corpus_prefix, tmp_path):
     assert "at iteration 200" in resumed and "iteration    220/220" in resumed
     assert "global_step220" in os.listdir(tmp_path / "ckpt")
 
+
+def test_recipe_moe_expert_parallel(corpus_prefix, tmp_path):
+    """The MoE GPT config (4 experts, top-2) at EP=2 on 2 ranks with Megatron's flags, dropout on, in
+    capacity mode: the console and TensorBoard show the MoE scalars; a checkpoint is written."""
+    out = _run_recipe(corpus_prefix, tmp_path, 6, (
+        "--model-config", os.path.join(REPO, "configs", "gpt2_moe_cpu.json"), "--num-experts", "4",
+        "--moe-router-topk", "2", "--expert-model-parallel-size", "2", "--moe-capacity-factor", "1.0",
+        "--moe-z-loss-coeff", "0.001", "--dropout", "0.1", "--log-interval", "3", "--eval-interval", "6",
+        "--eval-iters", "2", "--save-interval", "6", "--sample-tokens", "8"))
+    assert "TP 1 x PP 1 x DP 2 (EP 2)" in out and "----- sample -----" in out, out
+    lines = re.findall(r"iteration +\d+/6 .*", out)
+    assert len(lines) == 2, out
+    for line in lines:
+        for name in ("moe aux loss", "moe z loss", "moe dropped fraction", "moe tokens per expert min",
+                     "moe tokens per expert max"):
+            assert f"| {name}: " in line, line
+    scalars = _scalars(str(tmp_path / "tb"))
+    for tag in ("moe aux loss", "moe z loss", "moe dropped fraction", "moe tokens per expert min",
+                "moe tokens per expert max"):
+        assert [step for step, _ in scalars.get(tag, [])] == [3, 6], f"{tag}: {sorted(scalars)}"
+    aux = [v for _, v in scalars["moe aux loss"]]
+    assert all(0.005 < v < 0.1 for v in aux), aux  # 2 layers x 0.01 x a Switch loss near 1
+    assert all(0 < v < 1 for _, v in scalars["moe dropped fraction"])  # capacity factor 1.0 drops some
+    lo, hi = scalars["moe tokens per expert min"][-1][1], scalars["moe tokens per expert max"][-1][1]
+    assert 0 <= lo <= hi
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["global_step6", "latest"]

@@ -63,8 +63,9 @@ def _zero2_config(tmp_path) -> str:
 
 def test_recipe_continues_at_other_layouts_where_the_vocabulary_pads_differently(corpus_prefix, tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    source = _recipe(corpus_prefix, tmp_path, "source", 4, ("--tensor-model-parallel-size", "2", "--save", ckpt))
-    # the sample at the end of a TP=2 run: the TP peers generate together
+    source = _recipe(corpus_prefix, tmp_path, "source", 4, ("--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                                            "--save", ckpt))
+    # the sample at the end of a TP=2 + SP run: the TP peers generate together
     assert "TP 2 x PP 1 x DP 1" in source and "----- sample -----" in source, source[-3000:]
     continued = {}
     layouts = [("tp2", ("--tensor-model-parallel-size", "2")), ("pp2", ("--pipeline-model-parallel-size", "2")),
