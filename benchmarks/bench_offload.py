@@ -114,6 +114,19 @@ def _op_alone(engine) -> dict:
     return {"read": read, "write": write, "bytes": nbytes}
 
 
+def _alternating_trials(engines: dict, names: list, args) -> dict:
+    """Seconds per step of each engine in each trial, the engines taking turns (a load spike hits all)."""
+    times = {n: [] for n in names}
+    for _ in range(args.trials):
+        for n in names:
+            engine, data = engines[n]
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                engine.train_batch(data)
+            times[n].append((time.perf_counter() - start) / args.steps)
+    return times
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nvme-path", default=tempfile.gettempdir())
@@ -145,14 +158,7 @@ def main(argv=None) -> None:
     for n in clocks:
         clocks[n]["seconds"] = 0.0
         engines[n][0].dp.files.bytes_read = engines[n][0].dp.files.bytes_written = 0
-    times = {n: [] for n in names}
-    for _ in range(args.trials):
-        for n in names:
-            engine, data = engines[n]
-            start = time.perf_counter()
-            for _ in range(args.steps):
-                engine.train_batch(data)
-            times[n].append((time.perf_counter() - start) / args.steps)
+    times = _alternating_trials(engines, names, args)
     psi = sum(s.numel() for s in engines[names[0]][0].dp.parameter_shapes().values())
     rows = []
     for stage in STAGES:
@@ -189,14 +195,7 @@ def _param_offload(args) -> None:
     engines = {n: _engine(args, 3, n, args.prefix) for n in names}
     for engine, data in engines.values():  # warm-up: the first step makes the optimizer states
         engine.train_batch(data)
-    times = {n: [] for n in names}
-    for _ in range(args.trials):
-        for n in names:
-            engine, data = engines[n]
-            start = time.perf_counter()
-            for _ in range(args.steps):
-                engine.train_batch(data)
-            times[n].append((time.perf_counter() - start) / args.steps)
+    times = _alternating_trials(engines, names, args)
     psi = sum(s.numel() for s in engines[False][0].dp.parameter_shapes().values())
     rows = [{"offload": n or "none", "s_per_step": statistics.median(times[n]),
              "ratio": statistics.median([o / p for o, p in zip(times[n], times[False])])} for n in names]
