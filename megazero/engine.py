@@ -22,6 +22,8 @@ import torch.distributed as dist
 from megazero.config import EngineConfig
 from megazero.engine_api import DeepSpeedEngineAPI
 from megazero.model_contract import HIDDEN_STATES, tied_parameters
+from megazero.moe.aux_loss import aux_loss_gradient_scale
+from megazero.moe.layer import attached_aux_loss
 from megazero.monitor import Monitor
 from megazero.numerics import loss_guard, numerics_error
 from megazero.optim.protocol import GradScaleTaker, takes_grad_scale, writes_copies
@@ -184,7 +186,9 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         reduces = self._reduces_this_backward(self.is_gradient_accumulation_boundary())
         self.dp.begin_micro_step(reduces)
         self.timers("backward").start()
-        torch.autograd.backward(output, output_grad)
+        # MoE auxiliary losses attached to activations get the gradient the loss gets (megazero/moe/aux_loss.py)
+        with aux_loss_gradient_scale(self.loss_scaler.scale / self.gradient_accumulation_steps()):
+            torch.autograd.backward(output, output_grad)
         self.dp.after_backward(reduces)
         self.timers("backward").stop()
 
@@ -310,21 +314,27 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
             if chunk == 0 and m < micro - 1:
                 self.step()
 
-        losses = self._run_pipeline_schedule(batches, backward_step)
+        aux: list[torch.Tensor] = []
+        losses = self._run_pipeline_schedule(batches, backward_step, aux)
         self.step()  # the optimizer step, once this stage has sent its last input gradient
         mean = torch.stack(losses).mean() if losses else torch.zeros((), dtype=torch.float32, device=self.device)
-        dist.broadcast(mean, src=grid.pp_ranks[-1], group=grid.pp_group)
+        if aux:  # MoE auxiliary losses of the model chunks without the loss, as the single model's loss has them
+            mean = mean + torch.stack(aux).sum() / micro
+        dist.all_reduce(mean, group=grid.pp_group)  # the last stage's loss (plus those), the same on every stage
         return mean.cpu()
 
-    def _run_pipeline_schedule(self, batches: list, backward_step) -> list[torch.Tensor]:
+    def _run_pipeline_schedule(self, batches: list, backward_step, aux: list | None = None) -> list[torch.Tensor]:
         """Run `batches` through this stage's 1F1B schedule (interleaved with several model chunks);
-        backward_step None: forward only (evaluation). Returns the last stage's losses (fp32)."""
+        backward_step None: forward only (evaluation). Returns the last stage's losses (fp32); `aux`
+        gets the value of the MoE auxiliary losses each training forward of a chunk without the
+        loss attached to its output (megazero.moe.attached_aux_loss)."""
         from megazero.pipeline import StageLinks, interleaved_one_f_one_b, one_f_one_b
         from megazero.pipeline.chunks import MODEL_CHUNK, model_chunks
         from megazero.pipeline.p2p import input_shapes
 
         grid = self.grid
-        num_chunks = len(model_chunks(self.module))
+        chunks = model_chunks(self.module)
+        num_chunks = len(chunks)
         # messages of shapes both sides have seen for these input shapes go without their headers
         links = StageLinks(grid.pp_ranks, grid.pp_rank, grid.pp_group, self.config.compute_dtype, self.device,
                            self.timers, ring=num_chunks > 1, shapes=self._pipeline_shapes,
@@ -342,6 +352,8 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
                 self._pipeline_micro = None
             if grid.is_last_stage and chunk == num_chunks - 1:
                 losses.append(output.detach().float())
+            elif aux is not None and torch.is_tensor(value := attached_aux_loss(chunks[chunk])):
+                aux.append(value.float())
             return output
 
         stage, stages, micro = grid.pp_rank, grid.pipeline_model_parallel_size, len(batches)

@@ -79,7 +79,10 @@ def grid_groups(world: int, tensor_model_parallel_size: int = 1, pipeline_model_
         raise ValueError(f"world size {world} is not divisible by tensor_model_parallel_size ({tp}) x "
                          f"pipeline_model_parallel_size ({pp})")
     dp = world // (tp * pp)
-    if ep < 1 or dp % ep:
+    if ep < 1:
+        raise ValueError(f"expert_model_parallel_size must be at least 1, got {ep}")
+    if dp % ep:
+        # EP splits the data-parallel dimension only: an EP group never spans TP ranks or stages
         raise ValueError(f"data-parallel size {dp} (world size {world} / tensor_model_parallel_size {tp} / "
                          f"pipeline_model_parallel_size {pp}) is not divisible by expert_model_parallel_size ({ep})")
     coords = [(r % tp, (r // tp) % dp, r // (tp * dp)) for r in range(world)]

@@ -28,7 +28,7 @@ from megazero.data import DistributedBatchLoader, SentencePieceTokenizer
 from megazero.data.blended_dataset import parse_data_path
 from megazero.data.data_paths import DataSplits, build_splits, first_prefix
 from megazero.distributed import all_reduce_values
-from megazero.moe import moe_stats
+from megazero.moe import has_moe_layers, moe_stats
 from megazero.profiling import measure_peak_flops
 from megazero.profiling.throughput import peak_cache_path
 
@@ -341,6 +341,16 @@ def print_sample(model: torch.nn.Module, tokenizer: SentencePieceTokenizer, args
         print("----- sample -----\n" + text + "\n------------------", flush=True)
 
 
+def _pipeline_moe_group(engine):
+    """The pipeline group over which moe_stats covers every stage's MoE layers, where some stage
+    holds one (agreed once: a stage may hold none); None without pipelining or MoE layers."""
+    grid = engine.grid
+    if grid is None or grid.pipeline_model_parallel_size == 1:
+        return None
+    [has_moe] = all_reduce_values([float(has_moe_layers(engine.module))], "max", grid.pp_group)
+    return grid.pp_group if has_moe else None
+
+
 class ProgressLog:
     """Megatron-style console lines and TensorBoard/wandb scalars, every log_interval iterations."""
 
@@ -349,6 +359,7 @@ class ProgressLog:
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         self.losses: list[float] = []
         self.moe: list[dict[str, float]] = []  # moe_stats of each iteration of the window (MoE models only)
+        self.moe_group = _pipeline_moe_group(engine)
         self.window_start = time.perf_counter()
         self._start_window_counts()
         self.run_start_iter = engine.global_steps
@@ -361,7 +372,7 @@ class ProgressLog:
     def record(self, loss: float) -> None:
         """Add this iteration's loss; at the end of a log interval, print and log the window."""
         self.losses.append(loss)
-        stats = moe_stats(self.engine.module)
+        stats = moe_stats(self.engine.module, self.moe_group)
         if stats:
             self.moe.append(stats)
         it = self.engine.global_steps
@@ -411,7 +422,7 @@ class ProgressLog:
 
     def _moe_window(self) -> dict[str, float]:
         """The MoE scalars of the window (none for a dense model): the weighted load-balancing loss
-        (and the z-loss when it is on), summed over this stage's MoE layers, and the fraction of
+        (and the z-loss when it is on), summed over the MoE layers of every stage, and the fraction of
         routing assignments dropped, each the mean of the iterations' last micro-batches; the fewest
         and most tokens routed to one expert in any layer and iteration. The values of this rank's
         expert-parallel group (every EP rank has the same)."""

@@ -121,7 +121,8 @@ def moe_layer_config(config: ModelConfig, layer: int, activation: str, output_in
     return MoEConfig(hidden_size=config.hidden_size, ffn_hidden_size=config.ffn_hidden_size,
                      num_experts=config.num_experts, router_topk=config.moe_router_topk,
                      capacity_factor=config.moe_capacity_factor, aux_loss_coeff=config.moe_aux_loss_coeff,
-                     z_loss_coeff=config.moe_z_loss_coeff, activation=activation, output_init_std=output_init_std)
+                     z_loss_coeff=config.moe_z_loss_coeff, activation=activation, output_init_std=output_init_std,
+                     attach_aux_loss=True)  # their gradient through the layer's output, on any pipeline stage
 
 
 def normal_init(std: float):

@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megazero import tensor_parallel as tp
-from megazero.moe import MoELayer, moe_aux_loss
+from megazero.moe import MoELayer, attached_aux_loss
 from megazero.tensor_parallel.random import get_rng_tracker, layer_stream
 from models.common import (
     ModelConfig,
@@ -189,7 +189,8 @@ class GPT(StageContract, CausalLMGeneration, nn.Module):
     one without post_process returns its hidden states. The plain model: parallelize(config)
     adds the config's recomputation and fused kernels. generate(): models/generation.py.
     ep_group: the expert-parallel group of the MoE layers (config.num_experts; None: all experts
-    here). In training, the loss includes the MoE layers' auxiliary losses (of this stage's layers).
+    here). In training, the loss includes the MoE layers' auxiliary losses (the value; every stage's
+    layers get their gradient through their outputs, megazero/moe/aux_loss.py).
     """
 
     def __init__(self, config: GPTConfig, tp_group=None, layers: range | None = None, pre_process: bool = True,
@@ -268,5 +269,7 @@ class GPT(StageContract, CausalLMGeneration, nn.Module):
             return x
         out = self.head(x, labels)
         if labels is not None and self.training and self.config.num_experts is not None:
-            out = out + moe_aux_loss(self)  # load-balancing and z-losses of the MoE layers' forward above
+            # the value of the MoE layers' load-balancing and z-losses: their gradient comes through
+            # the layers' outputs (megazero/moe/aux_loss.py), so that a stage without the loss trains its own too
+            out = out + attached_aux_loss(self)
         return out

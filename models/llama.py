@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megazero import tensor_parallel as tp
-from megazero.moe import MoELayer, moe_aux_loss
+from megazero.moe import MoELayer, attached_aux_loss
 from megazero.tensor_parallel.random import get_rng_tracker
 from models.common import (
     ModelConfig,
@@ -330,5 +330,7 @@ class Llama(StageContract, CausalLMGeneration, nn.Module):
             return x
         out = self.head(x, labels)
         if labels is not None and self.training and self.config.num_experts is not None:
-            out = out + moe_aux_loss(self)  # load-balancing and z-losses of the MoE layers' forward above
+            # the value of the MoE layers' load-balancing and z-losses: their gradient comes through
+            # the layers' outputs (megazero/moe/aux_loss.py), so that a stage without the loss trains its own too
+            out = out + attached_aux_loss(self)
         return out

@@ -19,15 +19,23 @@ Both are over the tokens of the whole EP group (the statistics are summed over i
 gradients summed back in backward: megazero/moe/comm.py): every EP rank gets the same values,
 the values of the single process on the concatenated batch. Each rank adds them to its loss,
 and the data-parallel average of the ranks' losses is then the single-process loss.
+
+With `attach_aux_loss` (how GPT and Llama build their MoE layers) a training forward attaches
+aux_loss() to the layer's output (megazero/moe/aux_loss.py): it gets the main loss's gradient in
+that output's backward, on whichever pipeline stage the layer is and under recomputation, and
+the model adds only its value to the loss (`attached_aux_loss`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
+from megazero.distributed import all_reduce_values
+from megazero.moe.aux_loss import attach_aux_loss
 from megazero.moe.capacity import plan_dispatch
 from megazero.moe.comm import all_gather_counts, all_reduce_sum, group_rank
 from megazero.moe.dispatch import combine, dispatch
@@ -50,6 +58,10 @@ class MoEConfig:
     activation: str = "gelu"  # "gelu" (GPT: fc1, GeLU, fc2, with biases) or "swiglu" (Llama)
     init_std: float = 0.02  # router and fc1
     output_init_std: float = 0.02  # fc2 (GPT scales it by 1/sqrt(2 * layers))
+    # in training, the aux losses get their gradient through the layer's output (megazero/moe/aux_loss.py),
+    # so the model adds only their value to its loss (models/gpt.py, models/llama.py); False: the caller
+    # adds aux_loss() to its loss itself
+    attach_aux_loss: bool = False
 
 
 class MoELayer(nn.Module):
@@ -79,7 +91,11 @@ class MoELayer(nn.Module):
         out = self.experts(rows, state.rows_per_expert)
         y = combine(out, routing.weights, tokens.shape[0], state)
         self._record(routing.probs, routing.logits, plan.routed, plan.kept)
-        return y.to(x.dtype).reshape(shape)
+        y = y.to(x.dtype).reshape(shape)
+        if self.config.attach_aux_loss and self.training:
+            # also under recomputation: the recomputed forward attaches them again, in its graph
+            y = attach_aux_loss(y, self.aux_loss())
+        return y
 
     def _record(self, probs: torch.Tensor, logits: torch.Tensor, routed: torch.Tensor, kept: torch.Tensor) -> None:
         """The auxiliary losses and statistics over the whole EP group's tokens."""
@@ -109,18 +125,37 @@ def moe_aux_loss(model: nn.Module) -> torch.Tensor | float:
     return sum((m.aux_loss() for m in model.modules() if isinstance(m, MoELayer) and m.last_aux_losses), 0.0)
 
 
-def moe_stats(model: nn.Module) -> dict[str, float]:
+def attached_aux_loss(model: nn.Module) -> torch.Tensor | float:
+    """The value (detached) of the auxiliary losses the MoE layers of `model` with attach_aux_loss
+    attached to their outputs in their last training forward: what a model adds to the value of its
+    loss, and what a pipeline stage without the loss adds to the step's (0.0 without any)."""
+    return sum((m.aux_loss().detach() for m in model.modules()
+                if isinstance(m, MoELayer) and m.config.attach_aux_loss and m.training and m.last_aux_losses), 0.0)
+
+
+def has_moe_layers(model: nn.Module) -> bool:
+    """True when `model` holds an MoELayer."""
+    return any(isinstance(m, MoELayer) for m in model.modules())
+
+
+def moe_stats(model: nn.Module, group=None) -> dict[str, float]:
     """What a trainer logs after a forward of `model` (empty without MoE layers): the weighted
     auxiliary losses summed over the MoE layers ("load_balancing", "z_loss"), the fraction of
     routing assignments dropped (mean over the layers) and the fewest/most tokens routed to one
-    expert in any layer ("tokens_per_expert_min", "tokens_per_expert_max")."""
+    expert in any layer ("tokens_per_expert_min", "tokens_per_expert_max").
+
+    group: the pipeline-parallel group, to cover the MoE layers of every stage (a collective on
+    it, every stage calls it; a stage may hold none). None: this module's layers."""
     layers = [m for m in model.modules() if isinstance(m, MoELayer) and m.last_stats]
-    if not layers:
+    # this stage's sums (both losses, the dropped fractions, the layer count), then its fewest and most tokens
+    sums = [sum(m.last_aux_losses["load_balancing"].item() for m in layers),
+            sum(m.last_aux_losses["z_loss"].item() for m in layers),
+            sum(float(m.last_stats["dropped_fraction"]) for m in layers), float(len(layers))]
+    extremes = [-min((float(m.last_stats["tokens_per_expert_min"]) for m in layers), default=math.inf),
+                max((float(m.last_stats["tokens_per_expert_max"]) for m in layers), default=-math.inf)]
+    if group is not None:
+        sums, extremes = all_reduce_values(sums, "sum", group), all_reduce_values(extremes, "max", group)
+    if not sums[3]:
         return {}
-    return {
-        "load_balancing": sum(m.last_aux_losses["load_balancing"].item() for m in layers),
-        "z_loss": sum(m.last_aux_losses["z_loss"].item() for m in layers),
-        "dropped_fraction": sum(float(m.last_stats["dropped_fraction"]) for m in layers) / len(layers),
-        "tokens_per_expert_min": min(float(m.last_stats["tokens_per_expert_min"]) for m in layers),
-        "tokens_per_expert_max": max(float(m.last_stats["tokens_per_expert_max"]) for m in layers),
-    }
+    return {"load_balancing": sums[0], "z_loss": sums[1], "dropped_fraction": sums[2] / sums[3],
+            "tokens_per_expert_min": -extremes[0], "tokens_per_expert_max": extremes[1]}

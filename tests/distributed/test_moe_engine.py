@@ -14,6 +14,14 @@ take them as one micro-batch, so it draws one mask where the EP run draws two: n
 single process has both the EP run's routing and its masks. (Inside the MoE layer nothing draws
 random numbers: the experts after the all-to-all have no dropout; the block's dropout is on this
 rank's own tokens.) Dropout with MoE is covered by the recipe test, which trains with it.
+
+The same at EP=2 x TP=2 and at EP=2 x PP=2 (4 ranks each, EP=2 over DP=2, 2 micro-batches of
+one sample per rank, so that the 1/accumulation gradient scale of the auxiliary losses is used)
+against the single process with 2 micro-batches of 2 samples: micro-batch m of the EP group is
+rank 0's sample 2m then rank 1's 2m + 1, the single process's micro-batch m. At PP=2 the first
+stage's MoE layer is on a stage without the loss: its auxiliary losses train through its output
+(megazero/moe/aux_loss.py) and the step's loss and the MoE statistics cover both stages. The
+EP x PP checkpoint loads in the single process and continues as the EP x PP run does.
 """
 
 from __future__ import annotations
@@ -23,7 +31,9 @@ import torch.distributed as dist
 
 import megazero
 from megazero import parallel_state
+from megazero.model_contract import global_name_of
 from megazero.moe import moe_stats
+from megazero.tensor_parallel.utils import merge_shards, partition_of
 from models.gpt import GPTConfig
 from models.parallelize import parallelize
 
@@ -33,19 +43,23 @@ MODES = {"dropless": (None, 1), "capacity": (1.0, 2)}  # mode: (capacity factor,
 STATS = ("dropped_fraction", "tokens_per_expert_min", "tokens_per_expert_max")
 
 
-def _config(factor: float | None) -> GPTConfig:
+LAYOUTS = {"ep2_tp2": (2, 1), "ep2_pp2": (1, 2)}  # (TP, PP) with EP=2 over DP=2 on 4 ranks
+
+
+def _config(factor: float | None, tp: int = 1) -> GPTConfig:
     return GPTConfig(vocab_size=VOCAB, seq_length=SEQ, num_layers=2, hidden_size=32, num_attention_heads=2,
                      make_vocab_size_divisible_by=16, num_experts=4, moe_router_topk=2, moe_capacity_factor=factor,
-                     moe_z_loss_coeff=1e-3)
+                     moe_z_loss_coeff=1e-3, tensor_model_parallel_size=tp)
 
 
-def _engine(factor: float | None, stage: int, ep: int | None):
-    """ep None: the single process without a grid; else the grid with that EP size over the world."""
-    grid = parallel_state.initialize_model_parallel(1, 1, ep) if ep is not None else None
+def _engine(factor: float | None, stage: int, ep: int | None, tp: int = 1, pp: int = 1, micro: int | None = None):
+    """ep None: the single process without a grid; else the grid with that EP (and TP, PP) size over
+    the world. micro: samples per micro-batch (default: the global batch over DP, one micro-batch)."""
+    grid = parallel_state.initialize_model_parallel(tp, pp, ep) if ep is not None else None
     torch.manual_seed(0)  # every layout builds the same model
-    model = parallelize(_config(factor), grid)
-    dp = dist.get_world_size() if grid is not None else 1
-    config = {"train_batch_size": BATCH, "train_micro_batch_size_per_gpu": BATCH // dp,
+    model = parallelize(_config(factor, tp), grid)
+    dp = grid.data_parallel_size if grid is not None else 1
+    config = {"train_batch_size": BATCH, "train_micro_batch_size_per_gpu": micro or BATCH // dp,
               "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}},
               "gradient_clipping": 1.0, "steps_per_print": 1000,
               "zero_optimization": {"stage": stage, "reduce_bucket_size": 5000}}  # several buckets
@@ -75,19 +89,46 @@ def _train(engine, steps: int, start: int = 0) -> dict:
     return {"losses": losses, "stats": stats, "params": _full_params(engine)}
 
 
+def _train_batches(engine, steps: int, start: int = 0) -> dict:
+    """train_batch() on the global batches from `start`: micro-batch m of DP rank r is sample
+    m * DP + r (the single process's, DP=1: samples [m * micro, +micro)); the loss averaged over DP,
+    the MoE statistics over every pipeline stage."""
+    grid = engine.grid
+    dp, rank, micro = engine.dp_world_size, engine.dp_rank, engine.train_micro_batch_size_per_gpu()
+    pp_group = grid.pp_group if grid is not None and grid.pipeline_model_parallel_size > 1 else None
+    losses, stats = [], []
+    for step in range(start, start + steps):
+        ids = _batch(step)
+        batches = [ids[m * dp * micro + rank * micro:][:micro] for m in range(engine.gradient_accumulation_steps())]
+        loss = engine.train_batch(iter({"input_ids": b[:, :-1], "labels": b[:, 1:]} for b in batches))
+        if dp > 1:
+            dist.all_reduce(loss, group=engine.dp_group)
+        losses.append(loss.item() / dp)
+        stats.append(moe_stats(engine.module, pp_group))
+    return {"losses": losses, "stats": stats, "params": _full_params(engine)}
+
+
 def _full_params(engine) -> dict[str, torch.Tensor]:
-    """The whole model: each expert parameter's EP slices joined in global expert order."""
-    group = engine.module.blocks[0].mlp.ep_group  # the MoE layers' (None in the single process)
-    ep = dist.get_world_size(group) if group is not None else 1
-    out = {}
+    """The parameters this rank holds, whole and under their names in the whole model: each expert
+    parameter's EP slices joined in global expert order, tensor-parallel shards merged."""
+    grid = engine.grid
+    ep_group = grid.ep_group if grid is not None else None  # None in the single process and at EP=1
+    ep = dist.get_world_size(ep_group) if ep_group is not None else 1
+    tp = grid.tensor_model_parallel_size if grid is not None else 1
+    name_of, out = global_name_of(engine.module), {}
     for name, param in engine.module.named_parameters():
         p = param.detach().clone()
         if getattr(param, "megazero_expert", False) and ep > 1:
-            assert param.megazero_expert_first == dist.get_rank(group) * p.shape[0], name
+            assert param.megazero_expert_first == dist.get_rank(ep_group) * p.shape[0], name
             pieces = [torch.empty_like(p) for _ in range(ep)]
-            dist.all_gather(pieces, p.contiguous(), group=group)
+            dist.all_gather(pieces, p.contiguous(), group=ep_group)
             p = torch.cat(pieces)
-        out[name] = p
+        dim, stride = partition_of(param)
+        if dim is not None and tp > 1:
+            shards = [torch.empty_like(p) for _ in range(tp)]
+            dist.all_gather(shards, p.contiguous(), group=grid.tp_group)
+            p = merge_shards(shards, dim, stride)
+        out[name_of(name)] = p
     return out
 
 
@@ -115,16 +156,51 @@ def run_single_process(save_dir: str) -> dict:
     return out
 
 
-def _assert_same_run(ref: dict, other: dict, what: str) -> None:
+def run_model_parallel_layouts(save_dir: str) -> dict:
+    """Each layout of LAYOUTS and each mode (4 ranks): 10 steps; the EP x PP run saves, and 2 more."""
+    out = {}
+    for layout, (tp, pp) in LAYOUTS.items():
+        for mode, (factor, stage) in MODES.items():
+            engine = _engine(factor, stage, 2, tp, pp, micro=1)
+            out[layout, mode] = run = _train_batches(engine, STEPS)
+            if pp > 1:
+                engine.save_checkpoint(f"{save_dir}/{layout}-{mode}", "ep2pp2")
+                run["next"] = _train_batches(engine, MORE, start=STEPS)
+    return out
+
+
+def run_single_process_accumulating(save_dir: str) -> dict:
+    """Each mode in one process, 2 micro-batches of 2 samples: 10 steps; then a fresh engine loads
+    the EP x PP checkpoint (EP=1, PP=1: experts re-cut, stages joined) and trains 2 more."""
+    out = {}
+    for mode, (factor, stage) in MODES.items():
+        out[mode] = _train_batches(_engine(factor, 0, None, micro=2), STEPS)
+        loaded = _engine(factor, stage, None, micro=2)
+        loaded.load_checkpoint(f"{save_dir}/ep2_pp2-{mode}", "ep2pp2")
+        assert loaded.global_steps == STEPS
+        out[mode]["next"] = _train_batches(loaded, MORE, start=STEPS)
+    return out
+
+
+def _assert_same_losses(ref: dict, other: dict, what: str) -> None:
     for step, (a, b) in enumerate(zip(ref["losses"], other["losses"], strict=True)):
         assert abs(a - b) <= LOSS_RTOL * abs(a), f"{what} step {step}: loss {a} vs {b}"
     for step, (a, b) in enumerate(zip(ref["stats"], other["stats"], strict=True)):
         for key in STATS:  # the same tokens dropped, the same load per expert
             assert abs(a[key] - b[key]) <= 1e-9, f"{what} step {step}: {key} {a[key]} vs {b[key]}"
         assert abs(a["load_balancing"] - b["load_balancing"]) <= 1e-6, f"{what} step {step}: aux loss"
+
+
+def _assert_params_close(ref: dict, other: dict, what: str) -> None:
+    """Every parameter of `other` (a pipeline stage's: some of the model's) as in `ref`."""
+    for name, p in other.items():
+        torch.testing.assert_close(p, ref[name], rtol=0, atol=PARAM_ATOL, msg=f"{what}: {name}")
+
+
+def _assert_same_run(ref: dict, other: dict, what: str) -> None:
+    _assert_same_losses(ref, other, what)
     assert ref["params"].keys() == other["params"].keys()
-    for name, p in ref["params"].items():
-        torch.testing.assert_close(other["params"][name], p, rtol=0, atol=PARAM_ATOL, msg=f"{what}: {name}")
+    _assert_params_close(ref["params"], other["params"], what)
 
 
 def test_moe_gpt_expert_parallel_matches_single_process(pools, tmp_path):
@@ -140,3 +216,23 @@ def test_moe_gpt_expert_parallel_matches_single_process(pools, tmp_path):
             _assert_same_run(ref[mode], run[mode], f"{mode} EP=2 rank {rank}")
             # the EP=2 checkpoint continues in the single process as it did at EP=2
             _assert_same_run(run[mode]["next"], ref[mode]["next"], f"{mode} EP=2 -> EP=1 rank {rank}")
+
+
+def test_moe_gpt_ep_tp_and_ep_pp_match_single_process(pools, tmp_path):
+    save_dir = str(tmp_path / "ckpt")
+    runs = pools(4).run(run_model_parallel_layouts, save_dir)
+    ref = pools(1).run(run_single_process_accumulating, save_dir)[0]
+    for mode in MODES:
+        dropped = [s["dropped_fraction"] for s in ref[mode]["stats"]]
+        assert (max(dropped) > 0) == (mode == "capacity"), f"{mode}: dropped fractions {dropped}"
+        for layout, (_, pp) in LAYOUTS.items():
+            names = set()  # the whole model from the ranks' parameters (a pipeline stage holds some)
+            for rank, run in enumerate(runs):
+                mine, what = run[layout, mode], f"{mode} {layout} rank {rank}"
+                _assert_same_losses(ref[mode], mine, what)
+                _assert_params_close(ref[mode]["params"], mine["params"], what)
+                names |= mine["params"].keys()
+                if pp > 1:  # the EP x PP checkpoint continues in the single process as it did at EP x PP
+                    _assert_same_losses(mine["next"], ref[mode]["next"], f"{what} -> EP=1 PP=1")
+                    _assert_params_close(ref[mode]["next"]["params"], mine["next"]["params"], f"{what} -> EP=1 PP=1")
+            assert names == ref[mode]["params"].keys(), f"{mode} {layout}: parameters missing"

@@ -44,3 +44,17 @@ def test_ep_one_adds_no_groups():
 def test_ep_must_divide_dp():
     with pytest.raises(ValueError, match=r"data-parallel size 2 .* not divisible by expert_model_parallel_size \(4\)"):
         grid_groups(4, tensor_model_parallel_size=2, expert_model_parallel_size=4)
+
+
+@pytest.mark.parametrize("world, tp, pp, ep, error", [
+    # EP splits DP only: with TP and PP taking the ranks, too few are left (the message names all sizes)
+    (8, 2, 2, 4, r"data-parallel size 2 \(world size 8 / tensor_model_parallel_size 2 / "
+                 r"pipeline_model_parallel_size 2\) is not divisible by expert_model_parallel_size \(4\)"),
+    (12, 2, 1, 4, r"data-parallel size 6 .* not divisible by expert_model_parallel_size \(4\)"),
+    (8, 1, 8, 2, r"data-parallel size 1 .* not divisible by expert_model_parallel_size \(2\)"),
+    (4, 1, 1, 0, r"expert_model_parallel_size must be at least 1, got 0"),
+    (6, 4, 1, 1, r"world size 6 is not divisible by tensor_model_parallel_size \(4\) x pipeline_model_parallel_size"),
+])
+def test_ep_validated_against_tp_dp_pp(world, tp, pp, ep, error):
+    with pytest.raises(ValueError, match=error):
+        grid_groups(world, tp, pp, ep)
