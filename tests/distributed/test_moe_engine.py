@@ -236,3 +236,30 @@ def test_moe_gpt_ep_tp_and_ep_pp_match_single_process(pools, tmp_path):
                     _assert_same_losses(mine["next"], ref[mode]["next"], f"{what} -> EP=1 PP=1")
                     _assert_params_close(ref[mode]["next"]["params"], mine["next"]["params"], f"{what} -> EP=1 PP=1")
             assert names == ref[mode]["params"].keys(), f"{mode} {layout}: parameters missing"
+
+
+def test_aux_losses_train_under_recomputation():
+    """Full recomputation with partition_activations (megazero's checkpoint: the first forward runs
+    without a graph) and without (torch's): the aux losses still get their gradient, through the
+    recomputed layer's output (GPT's GeLU and Llama's SwiGLU experts)."""
+    from megazero import activation_checkpointing
+    from models.llama import LlamaConfig
+
+    shape = dict(vocab_size=VOCAB, seq_length=SEQ, num_layers=2, hidden_size=32, num_attention_heads=2,
+                 make_vocab_size_divisible_by=16, num_experts=4, moe_capacity_factor=1.0, moe_z_loss_coeff=1e-3)
+    ids = _batch(0)
+    for config_class in (GPTConfig, LlamaConfig):
+        grads = []
+        for recompute, partition in ((None, False), ("full", False), ("full", True)):
+            torch.manual_seed(0)
+            model = parallelize(config_class(**shape, recompute_granularity=recompute))
+            activation_checkpointing.configure(partition_activations=partition)
+            try:
+                model(ids[:, :-1], labels=ids[:, 1:]).backward()
+            finally:
+                activation_checkpointing.configure()
+            grads.append({name: p.grad for name, p in model.named_parameters() if "router" in name})
+        for other, what in zip(grads[1:], ("recomputed", "recomputed, partitioned")):
+            for name, grad in grads[0].items():
+                torch.testing.assert_close(other[name], grad, rtol=1e-6, atol=1e-9,
+                                           msg=f"{config_class.__name__} {what}: {name}")
