@@ -28,7 +28,6 @@ from megazero.checkpoint.consolidate import consolidate_fp32_state_dict
 from megazero.checkpoint.model_files import load_model, saved_model_config_dict
 from megazero.checkpoint.universal import local_shard
 from megazero.data import SentencePieceTokenizer
-from megazero.meta_device import skeleton
 from megazero.model_contract import global_name_of
 from models.parallelize import MODELS, build_stage, config_class_for
 
@@ -97,9 +96,9 @@ def _load_stage(args: argparse.Namespace, saved: dict, config_class) -> tuple:
     if "sequence_parallel" in config_class.__dataclass_fields__:
         changes["sequence_parallel"] = False
     config = dataclasses.replace(config_class(**saved), **changes)
-    with skeleton():  # no initialisation: every tensor is overwritten below
-        model = build_stage(config, grid.pp_rank, pp, grid.tp_group, grid.ep_group)
-    model = model.to_empty(device="cpu")  # keeps the parameters (and their tensor-parallel attributes)
+    # built for real, not on the meta device: materialising a skeleton may swap the parameters for
+    # new ones, without the tensor-parallel attributes that say how to cut them
+    model = build_stage(config, grid.pp_rank, pp, grid.tp_group, grid.ep_group)
     whole = consolidate_fp32_state_dict(args.load, args.tag)
     rename, params = global_name_of(model), dict(model.named_parameters())
     state = {}

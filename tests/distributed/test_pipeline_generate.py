@@ -28,13 +28,13 @@ from tests.conftest import CORPUS_PREFIX, REPO
 
 TOKENIZER = CORPUS_PREFIX + "_tokenizer.model"
 PROMPT = [[5, 17, 42, 7, 99]]
-GREEDY_TOKENS = 20  # 5 + 20 > seq_length 16: the last steps slide the window
+GREEDY_TOKENS = 14  # 5 + 14 > seq_length 16: the last steps slide the window
 
 
 def _gpt_config(**changes):
     from models.gpt import GPTConfig
 
-    base = dict(vocab_size=8000, seq_length=16, num_layers=4, hidden_size=32, num_attention_heads=4, dropout=0.1)
+    base = dict(vocab_size=256, seq_length=16, num_layers=4, hidden_size=32, num_attention_heads=4, dropout=0.1)
     return GPTConfig(**{**base, **changes})
 
 
@@ -45,7 +45,7 @@ def _reference(model_class, config) -> tuple[list, list]:
     prompt = torch.tensor(PROMPT)
     greedy = model.generate(prompt, GREEDY_TOKENS, temperature=0)
     torch.manual_seed(7)
-    sampled = model.generate(prompt, 12, temperature=0.8, top_k=40, top_p=0.9)
+    sampled = model.generate(prompt, 8, temperature=0.8, top_k=40, top_p=0.9)
     return greedy.tolist(), sampled.tolist()
 
 
@@ -61,7 +61,7 @@ def _layouts_generate_as_one_process() -> dict:
     seen = {}
     cases = [("gpt pp2", GPT, _gpt_config(), 1, None, True), ("gpt tp2 pp2", GPT, _gpt_config(), 2, None, False),
              ("gpt pp2 v2", GPT, _gpt_config(), 1, 1, True),
-             ("llama pp2", Llama, LlamaConfig(vocab_size=8000, seq_length=16, num_layers=2, hidden_size=32,
+             ("llama pp2", Llama, LlamaConfig(vocab_size=256, seq_length=16, num_layers=2, hidden_size=32,
                                               num_attention_heads=4, num_query_groups=2, dropout=0.1,
                                               fused_kernels=False), 1, None, True)]
     for name, model_class, config, tp, layers_per_chunk, exact in cases:
@@ -79,7 +79,7 @@ def _layouts_generate_as_one_process() -> dict:
                 assert plain.tolist() == greedy, f"{name} without the KV cache: {plain.tolist()} != {greedy}"
             if exact:
                 torch.manual_seed(7)
-                drawn = pipelined_generate(module, grid, prompt, 12, temperature=0.8, top_k=40, top_p=0.9).tolist()
+                drawn = pipelined_generate(module, grid, prompt, 8, temperature=0.8, top_k=40, top_p=0.9).tolist()
                 assert drawn == sampled, f"{name}: sampled {drawn} != one process's {sampled}"
         finally:
             set_strict(None)
@@ -93,21 +93,24 @@ def test_pipelined_generation_equals_one_process(pools):
     assert len(results[0]["gpt pp2"][0]) == len(PROMPT[0]) + GREEDY_TOKENS
 
 
+def _sample_model():
+    """(config, the whole GPT in eval mode): the corpus tokenizer's vocabulary."""
+    from models.gpt import GPT
+
+    config = _gpt_config(vocab_size=8000, seq_length=32)
+    torch.manual_seed(0)
+    return config, GPT(config).eval()
+
+
 def _generate_script_and_recipe_sample(save_dir: str) -> dict:
     from megazero import parallel_state, training
-    from megazero.checkpoint.model_files import write_weights_checkpoint
     from megazero.data import SentencePieceTokenizer
-    from models.gpt import GPT
     from models.parallelize import parallelize
     from scripts.generate import main as generate
 
-    config = _gpt_config(seq_length=32)
-    torch.manual_seed(0)
-    whole = GPT(config).eval()
-    if dist.get_rank() == 0:
-        write_weights_checkpoint(config, whole.state_dict(), save_dir, model_class=GPT)
-    dist.barrier()
-    common = ["--load", save_dir, "--tokenizer-model", TOKENIZER, "--prompt", "ROMEO:", "--max-new-tokens", "8"]
+    config, whole = _sample_model()  # the model of the checkpoint in save_dir
+    common = ["--load", save_dir, "--tag", "global_step0", "--tokenizer-model", TOKENIZER, "--prompt", "ROMEO:",
+              "--max-new-tokens", "8"]
     out = {}
     for name, options in (("greedy", ["--temperature", "0"]), ("sampled", ["--top-k", "40", "--seed", "3"])):
         with contextlib.redirect_stdout(io.StringIO()):
@@ -141,6 +144,11 @@ def _generate_script_and_recipe_sample(save_dir: str) -> dict:
 
 
 def test_generate_script_and_recipe_sample_pipelined(pools, corpus_prefix, tmp_path):
+    from megazero.checkpoint.model_files import write_weights_checkpoint
+    from models.gpt import GPT
+
+    config, whole = _sample_model()
+    write_weights_checkpoint(config, whole.state_dict(), str(tmp_path / "ckpt"), model_class=GPT)  # TP = PP = 1
     results = pools(4).run(_generate_script_and_recipe_sample, str(tmp_path / "ckpt"))
     assert results[0]["greedy"].startswith("ROMEO:") and results[0]["sample"].startswith("ROMEO:")
 
@@ -159,7 +167,7 @@ def _virtual_stage_key() -> list[str]:
     from megazero.config import ConfigError, virtual_stage_layers
     from models.parallelize import parallelize
 
-    config = _gpt_config(vocab_size=64)
+    config = _gpt_config(vocab_size=64)  # 4 layers
     grid = parallel_state.initialize_model_parallel(1, 2)
     errors = []
     # a user picks v in the engine config alone: the model is built with what the key says
