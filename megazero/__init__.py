@@ -72,6 +72,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     dp_group = grid.dp_group if grid is not None else None
     engine_config = parse_config(config, dist.get_world_size(dp_group))
     _check_model_parallel(grid, engine_config)
+    _check_model_chunks(model, grid, engine_config)
     if engine_config.seed is not None:
         set_seed(engine_config.seed)
     if grid is not None and grid.tensor_model_parallel_size > 1:  # per-TP-rank dropout in the TP regions
@@ -129,6 +130,33 @@ def _check_model_parallel(grid, config: EngineConfig) -> None:
         warnings.warn(f"gradient_accumulation_steps {config.gradient_accumulation_steps} (the pipeline's "
                       f"micro-batches) < {grid.pipeline_model_parallel_size} stages: most of each step is "
                       f"pipeline bubble", stacklevel=3)
+
+
+def _check_model_chunks(model: torch.nn.Module, grid, config: EngineConfig) -> None:
+    """`pipeline.num_layers_per_virtual_stage`, when set, must be what the model was built with: the
+    model chunks of this stage are num_layers / (PP x it) (megazero.pipeline.ModelChunks)."""
+    from megazero.pipeline.chunks import chunk_count, model_chunks
+
+    layers = config.pipeline.num_layers_per_virtual_stage
+    if layers is None:
+        return
+    pp = grid.pipeline_model_parallel_size if grid is not None else 1
+    num_layers = getattr(getattr(model, "config", None), "num_layers", None)
+    try:
+        if num_layers is None:
+            chunk_count(0, pp, layers)  # the PP check alone
+            raise ValueError(f"the model has no config.num_layers to check it against (found "
+                             f"{len(model_chunks(model))} model chunks on this stage)")
+        expected = chunk_count(num_layers, pp, layers)
+    except ValueError as e:
+        raise ConfigError(f"'pipeline.num_layers_per_virtual_stage'={layers}: {e}") from None
+    found = len(model_chunks(model))
+    if found != expected:
+        raise ConfigError(f"'pipeline.num_layers_per_virtual_stage'={layers} means {expected} model chunks per stage "
+                          f"({num_layers} layers / (PP {pp} x {layers})), but the model passed to initialize() has "
+                          f"{found}: build it with models.parallelize.parallelize(config, grid, "
+                          f"num_layers_per_virtual_stage={layers}) (megazero.config.virtual_stage_layers(config) "
+                          f"reads the key), or drop the key")
 
 
 def _warn_client_scheduler_wins(lr_scheduler, config: EngineConfig) -> None:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import megazero
 from megazero import parallel_state
-from megazero.config import ConfigError, load_config_source, resolve_batch_triad
+from megazero.config import ConfigError, load_config_source, resolve_batch_triad, validate_config
 from megazero.data import DistributedBatchLoader, SentencePieceTokenizer
 from megazero.data.blended_dataset import parse_data_path
 from megazero.data.data_paths import DataSplits, build_splits, first_prefix
@@ -201,7 +201,36 @@ def engine_config(args: argparse.Namespace) -> dict:
         config["wandb"] = {**config.get("wandb", {}), "enabled": True}
     if getattr(args, "watchdog_timeout", None) is not None:  # 0: off
         config["watchdog"] = {"enabled": args.watchdog_timeout > 0, "timeout": args.watchdog_timeout or 60.0}
+    _virtual_stage_flag(args, config)
     return config
+
+
+def _virtual_stage_flag(args: argparse.Namespace, config: dict) -> None:
+    """--num-layers-per-virtual-pipeline-stage into the config's pipeline.num_layers_per_virtual_stage:
+    the flag and the key name one setting, so given both they must agree."""
+    flag = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+    if flag is None:
+        return
+    block = config.get("pipeline")
+    key = block.get("num_layers_per_virtual_stage") if isinstance(block, dict) else None
+    if key is not None and key != flag:
+        raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {flag} and 'pipeline.num_layers_per_virtual_stage' "
+                          f"{key} of {args.megazero_config} disagree; they are one setting: give one, or the same "
+                          f"value")
+    config["pipeline"] = {**(block if isinstance(block, dict) else {}), "num_layers_per_virtual_stage": flag}
+
+
+def virtual_stage_layers(args: argparse.Namespace) -> int | None:
+    """The layers per virtual pipeline stage of the run: --num-layers-per-virtual-pipeline-stage or
+    the engine config's pipeline.num_layers_per_virtual_stage (one line naming both when they
+    disagree); start_run() sets the flag's attribute to it, which the recipes build the model with."""
+    try:
+        config = engine_config(args)
+        # validated here only with the block (else train() reports any error of the config, as before)
+        return validate_config(config).pipeline.num_layers_per_virtual_stage if "pipeline" in config else None
+    except ConfigError as e:
+        raise SystemExit(f"[megazero] rank {dist.get_rank() if dist.is_initialized() else 0}: engine config "
+                         f"{args.megazero_config} (with the recipe's flags applied): {e}") from None
 
 
 def param_groups(model: torch.nn.Module) -> list[dict]:
@@ -224,6 +253,8 @@ def start_run(args: argparse.Namespace):
                          f"{args.tensor_model_parallel_size}, --pipeline-model-parallel-size "
                          f"{args.pipeline_model_parallel_size}, --expert-model-parallel-size {ep}: {e}") from None
     megazero.set_seed(args.seed)
+    if hasattr(args, "num_layers_per_virtual_pipeline_stage"):  # the flag, or else the engine config's key
+        args.num_layers_per_virtual_pipeline_stage = virtual_stage_layers(args)
     return dist.get_rank(), grid, SentencePieceTokenizer(args.tokenizer_model)
 
 
@@ -311,13 +342,16 @@ def average_across_ranks(value: float, group) -> float:
 
 
 def sample_text(model: torch.nn.Module, tokenizer: SentencePieceTokenizer, prompt: str, tokens: int,
-                seed: int) -> str:
+                seed: int, grid=None) -> str:
     """A short sampled continuation of `prompt` (temperature 0.8, top-k 40) by the model's
-    generate(ids, max_new_tokens, temperature, top_k, vocab_size)."""
+    generate(ids, max_new_tokens, temperature, top_k, vocab_size); with pipeline stages in `grid`,
+    every stage of this rank's pipeline generates together (megazero.pipeline.pipelined_generate)."""
+    from megazero.pipeline import pipelined_generate
+
     torch.manual_seed(seed)
     model.eval()
     ids = torch.tensor([tokenizer.encode(prompt)], dtype=torch.long, device=next(model.parameters()).device)
-    out = model.generate(ids, tokens, temperature=0.8, top_k=40, vocab_size=tokenizer.vocab_size)
+    out = pipelined_generate(model, grid, ids, tokens, temperature=0.8, top_k=40, vocab_size=tokenizer.vocab_size)
     model.train()
     return tokenizer.decode(out[0].tolist())
 
@@ -325,18 +359,13 @@ def sample_text(model: torch.nn.Module, tokenizer: SentencePieceTokenizer, promp
 def print_sample(model: torch.nn.Module, tokenizer: SentencePieceTokenizer, args: argparse.Namespace, grid,
                  rank: int) -> None:
     """Rank 0 prints a sample of --sample-tokens after --sample-prompt; under tensor parallelism its
-    TP peers (and its expert-parallel peers) generate alongside (the forward has collectives). A
-    pipelined model is not sampled here (it needs the whole model)."""
-    if grid.pipeline_model_parallel_size > 1:
-        if rank == 0:
-            print("(no sample: the model is split into pipeline stages; scripts/generate.py --load <save dir> "
-                  "samples from the checkpoint, joining the stages)", flush=True)
-        return
+    TP peers (and its expert-parallel peers) generate alongside (the forward has collectives), and
+    with pipeline stages the other stages of its pipeline (and theirs) pass the activations on."""
     # with expert parallelism the MoE layers' all-to-alls need the EP peers of DP rank 0 (DP ranks
     # 0..EP-1): they generate the same text alongside it
     if grid.dp_rank >= grid.expert_model_parallel_size:
         return
-    text = sample_text(model, tokenizer, args.sample_prompt, args.sample_tokens, args.seed)
+    text = sample_text(model, tokenizer, args.sample_prompt, args.sample_tokens, args.seed, grid)
     if rank == 0:
         print("----- sample -----\n" + text + "\n------------------", flush=True)
 

@@ -255,12 +255,12 @@ class GPT(StageContract, CausalLMGeneration, nn.Module):
         """Loss given labels, else logits; a stage without the head returns hidden states.
         kv_cache: one dict per layer, filled by the first call and extended by each later one
         (generation: later calls pass only the new tokens)."""
-        if kv_cache is not None:
+        if kv_cache is not None:  # also one pipeline stage's layers (megazero.pipeline.generation)
             past = kv_cache[0]["k"].shape[2] if "k" in kv_cache[0] else 0
-            x = self.embed(input_ids, past)
+            x = self.embed(input_ids, past) if self.pre_process else hidden_states
             for block, cache in zip(self.blocks, kv_cache):
                 x = block(x, cache)
-            return self.head(x, labels)
+            return self.head(x, labels) if self.post_process else x
         x = self.embed(input_ids) if self.pre_process else hidden_states
         for layer, block in zip(self.layers, self.blocks):
             layer_stream(layer)  # the layer's dropout masks, whichever stage runs it

@@ -316,13 +316,14 @@ class Llama(StageContract, CausalLMGeneration, nn.Module):
         (generation, models/generation.py: later calls pass only the new tokens)."""
         if kv_cache is not None:
             past = kv_cache[0]["k"].shape[2] if "k" in kv_cache[0] else 0
-            if past + input_ids.shape[1] > self.config.seq_length:
-                raise ValueError(f"{past} cached + {input_ids.shape[1]} new tokens exceed seq_length "
+            new = (input_ids if self.pre_process else hidden_states).shape[1]  # or one pipeline stage's layers
+            if past + new > self.config.seq_length:
+                raise ValueError(f"{past} cached + {new} new tokens exceed seq_length "
                                  f"{self.config.seq_length}")
-            x = self.embed(input_ids)
+            x = self.embed(input_ids) if self.pre_process else hidden_states
             for block, cache in zip(self.blocks, kv_cache):
                 x = block(x, cache)
-            return self.head(x, labels)
+            return self.head(x, labels) if self.post_process else x
         x = self.embed(input_ids) if self.pre_process else hidden_states
         for block in self.blocks:
             x = block(x)

@@ -248,6 +248,17 @@ class WatchdogConfig(Section):
                                                           "process group's timeout, 1800 s")
 
 
+class PipelineConfig(Section):
+    """`pipeline` (DeepSpeed has a block of this name for its PipelineModule; megazero reads this key
+    of it): the model chunks of each pipeline stage. The model is built before initialize(), so the
+    key says how to build it (`virtual_stage_layers()`, then models.parallelize.parallelize(config,
+    grid, that)) and initialize() checks the model it is given against it."""
+
+    num_layers_per_virtual_stage: Int | None = Field(
+        None, ge=1, description="interleaved 1F1B (Megatron's --num-layers-per-virtual-pipeline-stage, which must "
+                                "agree): each stage holds num_layers / (PP x this) model chunks; null: one chunk")
+
+
 def _optimizers() -> dict:
     # lazy: megazero.optim imports the builder, which imports this module
     from megazero.optim.registry import OPTIMIZERS
@@ -378,6 +389,7 @@ class EngineConfig(Section):
         100, ge=0, description="stop with NumericsError after this many consecutive skipped steps (fp16 "
                                "overflows, inf/nan gradients or losses in any precision); 0 = never")
     watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig, description="the hung-rank watchdog")
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig, description="pipeline model chunks")
     aio: AioConfig = Field(default_factory=AioConfig, description="asynchronous I/O for NVMe offload")
 
     _data_parallel_size: int = PrivateAttr(1)
@@ -476,6 +488,13 @@ def validate_config(raw: dict) -> EngineConfig:
         return EngineConfig.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(error_message(EngineConfig, e)) from None
+
+
+def virtual_stage_layers(source: str | os.PathLike | dict) -> int | None:
+    """The config's `pipeline.num_layers_per_virtual_stage` (validated; None when not set): what to
+    build the model with, `models.parallelize.parallelize(config, grid, virtual_stage_layers(source))`,
+    before passing it and the same config to megazero.initialize()."""
+    return validate_config(load_config_source(source)).pipeline.num_layers_per_virtual_stage
 
 
 def parse_config(source: str | os.PathLike | dict, data_parallel_size: int) -> EngineConfig:

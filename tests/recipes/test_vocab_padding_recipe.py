@@ -76,6 +76,7 @@ def test_recipe_continues_at_other_layouts_where_the_vocabulary_pads_differently
         assert banners[name] in out and "resumed from" in out and "at iteration 4" in out, out[-3000:]
         # the run ends validated, also pipelined (the last stage computes the loss)
         assert re.search(r"validation at iteration 8 \| lm loss: [0-9.]+", out), out[-3000:]
+        assert "----- sample -----" in out, out[-3000:]  # also pipelined: the stages generate together
         assert "rows saved" not in out, out[-3000:]  # only padding rows were added or dropped: no warning
         losses = _losses(tmp_path, name)
         assert sorted(losses) == [5, 6, 7, 8], losses
