@@ -25,6 +25,14 @@ fp32 and 16-bit runs drop the same elements; kept elements are scaled by 1 / (1 
 The model keys each site by the layer that holds it (a constructor argument, not a running
 count), so activation checkpointing recomputes the same masks once the micro-batch's SampleKeys
 are restored (megazero.activation_checkpointing does that).
+
+Where the switch lives: the engine config (`dropout_masks.layout_invariant`), not the model's. The
+keys are the engine's: the step, and where a micro-batch's rows sit in the global batch, which
+only the engine knows (its micro-batch size, the micro-batch's number in the step, the DP rank;
+the pipeline schedule's micro-batch). The choice is about how a run is laid out and compared, not
+about the model: its parameters, checkpoints, export and generation are the same either way, and
+a model used without the engine (evaluation, generation, tests) draws as before. The models only
+ask layout_invariant() at each site, and take the default path when it is False, unchanged.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """The layout-invariant dropout mode (`dropout_masks.layout_invariant`): with dropout 0.1, the
 layouts that cannot match the single process in the default mode do.
 
-- TP=2 (+ SP, full recompute, micro-batches of 4) and TP=2 x PP=2 with v=2 (interleaved, selective
-  recompute, micro-batches of 2) against the single process taking the global batch of 8 as one
-  micro-batch: in the default mode a TP rank draws its attention heads' masks (and its sequence
-  shard's under SP) from its own tracker, and a micro-batch of other samples draws other masks;
-  here every mask is a function of the sample (and the global head), so all three draw the same.
+- TP=2 (+ SP, full recompute) and TP=2 x PP=2 with v=2 (interleaved, selective recompute, 2
+  micro-batches of 4) against the single process taking the global batch of 8 as one micro-batch:
+  in the default mode a TP rank draws its attention heads' masks (and its sequence shard's under
+  SP) from its own tracker, and a micro-batch of other samples draws other masks; here every mask
+  is a function of the sample (and the global head), so all three draw the same.
 - The MoE GPT at EP=2 on DP=2 (capacity mode: tokens dropped) against the single process running
   the EP group's samples as one micro-batch, which it must for the router to see the same tokens
   together (tests/distributed/test_model_parallel.py and test_moe_engine.py say why the default
@@ -55,7 +55,7 @@ def reference(pools, token_dataset_prefix_module):
 
 
 def test_tensor_parallel_matches_single_process_with_dropout(pools, reference, token_dataset_prefix_module):
-    config = base_config(train_micro_batch_size_per_gpu=4, **INVARIANT)  # 2 micro-batches per step
+    config = base_config(train_micro_batch_size_per_gpu=8, **INVARIANT)
     overrides = {**MODEL, "sequence_parallel": True, "recompute_granularity": "full"}
     for rank, result in enumerate(pools(2).run(train, config, token_dataset_prefix_module, STEPS, 0, None, None,
                                                None, overrides, (2, 1))):
@@ -63,7 +63,7 @@ def test_tensor_parallel_matches_single_process_with_dropout(pools, reference, t
 
 
 def test_interleaved_tp_pp_matches_single_process_with_dropout(pools, reference, token_dataset_prefix_module):
-    config = base_config(train_micro_batch_size_per_gpu=2, **INVARIANT)  # 4 micro-batches per step
+    config = base_config(train_micro_batch_size_per_gpu=4, **INVARIANT)  # 2 micro-batches per step
     overrides = {**MODEL, LAYERS_PER_VIRTUAL_STAGE: 1, "recompute_granularity": "selective"}
     for rank, result in enumerate(pools(4).run(train, config, token_dataset_prefix_module, STEPS, 0, None, None,
                                                None, overrides, (2, 2))):
