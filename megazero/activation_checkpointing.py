@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 
 from megazero.profiling.memory import record_activation
-from megazero.tensor_parallel.random import get_rng_tracker
+from megazero.tensor_parallel.random import get_rng_tracker, layout_invariant_keys, sample_keys_restored
 
 __all__ = ["SYNCHRONIZE_RANGE", "checkpoint", "checkpoint_stats", "configure", "settings"]
 _DEFAULTS = {"partition_activations": False, "cpu_checkpointing": False, "contiguous_memory_optimization": False,
@@ -146,9 +146,10 @@ def checkpoint(function, *args, partitionable: bool = True):
 
 def _tracker_contexts():
     """Forward: nothing. Recompute: the tensor-parallel RNG tracker's states as they were in the
-    forward (torch restores the default generators; the tracker's own states are ours to restore)."""
+    forward (torch restores the default generators; the tracker's own states are ours to restore),
+    and the forward's layout-invariant dropout keys (the recompute runs outside its micro-batch)."""
     tracker = get_rng_tracker()
-    saved = tracker.get_states()
+    saved, keys = tracker.get_states(), layout_invariant_keys()
 
     @contextlib.contextmanager
     def recompute():
@@ -156,7 +157,8 @@ def _tracker_contexts():
         current = tracker.get_states()
         tracker.set_states(saved)
         try:
-            yield
+            with sample_keys_restored(keys):
+                yield
         finally:
             tracker.set_states(current)
 
@@ -232,11 +234,11 @@ def _restore(entry: dict) -> torch.Tensor:
 
 def _rng_states() -> tuple:
     cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda, get_rng_tracker().get_states()
+    return torch.get_rng_state(), cuda, get_rng_tracker().get_states(), layout_invariant_keys()
 
 
 def _set_rng_states(states: tuple) -> None:
-    cpu, cuda, tracker = states
+    cpu, cuda, tracker, _ = states
     torch.set_rng_state(cpu)
     if cuda is not None:
         torch.cuda.set_rng_state(cuda)
@@ -266,7 +268,7 @@ class _StoredInputCheckpoint(torch.autograd.Function):
             _set_rng_states(ctx.rng)
             _stats["recomputes"] += 1
             try:
-                with torch.enable_grad():
+                with torch.enable_grad(), sample_keys_restored(ctx.rng[3]):
                     outputs = ctx.function(*inputs)
             finally:
                 _set_rng_states(current)

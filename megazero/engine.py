@@ -84,7 +84,8 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         # dropout streams keyed by (step, micro-batch, stage, TP rank); the seed is saved in checkpoints
         self.rng_streams = MicroBatchStreams(config.seed if config.seed is not None else torch.initial_seed() % 2**31,
                                              grid.pp_rank if grid else 0, grid.tp_rank if grid else 0,
-                                             grid.tensor_model_parallel_size if grid else 1)
+                                             grid.tensor_model_parallel_size if grid else 1,
+                                             layout_invariant=config.dropout_masks.layout_invariant)
         self._pipeline_micro: int | None = None  # the 1F1B schedule's micro-batch in forward
         self._pipeline_shapes: dict = {}  # the p2p messages' shapes, kept across steps (StageLinks' shapes)
         # training forwards since the last optimizer step: the micro-batch's number within its step,
@@ -158,7 +159,12 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
 
     def _random_streams(self):
         """Training forwards draw dropout from this micro-batch's keyed streams (so that a resumed
-        run draws what an uninterrupted one does); evaluation leaves the generators alone."""
+        run draws what an uninterrupted one does); evaluation leaves the generators alone.
+
+        Micro-batch `micro` of this DP rank (its forwards since the last step, or the pipeline
+        schedule's micro-batch) is number micro x DP + rank of the step, and holds the global
+        batch's samples from that number x micro-batch size on (DistributedBatchLoader's order):
+        the layout-invariant dropout mode keys its masks by them."""
         if not self.module.training:
             return contextlib.nullcontext()
         if self._pipeline_micro is not None:
@@ -166,7 +172,8 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         else:
             micro = self._forwards_since_step
             self._forwards_since_step += 1
-        return self.rng_streams.micro_batch(self.global_steps, micro * self.dp_world_size + self.dp_rank)
+        index, size = micro * self.dp_world_size + self.dp_rank, self.train_micro_batch_size_per_gpu()
+        return self.rng_streams.micro_batch(self.global_steps, index, range(index * size, (index + 1) * size))
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Backward of loss * loss_scale / accumulation_steps; reduces gradients on the boundary."""

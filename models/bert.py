@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megazero import tensor_parallel as tp
+from megazero.tensor_parallel import invariant_dropout as keyed
 from megazero.tensor_parallel.random import get_rng_tracker
 from megazero.tensor_parallel.utils import set_tensor_parallel_attributes
 from models.common import ModelConfig, StageContract, check_tp_group, normal_init, seeded, vocabulary_init
@@ -71,23 +72,31 @@ class BertConfig(ModelConfig):
                              f"tensor_model_parallel_size {self.tensor_model_parallel_size}")
 
 
-def _dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool) -> torch.Tensor:
-    """Dropout; sequence-parallel activations are different tokens on each TP rank: per-rank masks."""
+def _dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool, layer: int = 0,
+             site: int = keyed.EMBEDDING) -> torch.Tensor:
+    """Dropout; sequence-parallel activations are different tokens on each TP rank: per-rank masks.
+    (layer, site) key the masks in the layout-invariant mode."""
     if not (training and p):
         return x
+    if keyed.layout_invariant():
+        return keyed.hidden_dropout(x, p, layer, site, sequence_parallel)
     with get_rng_tracker().fork() if sequence_parallel else contextlib.nullcontext():
         return F.dropout(x, p, True)
 
 
 class Attention(nn.Module):
     """softmax(q k^T / sqrt(d)) v over the tokens `attend` marks, with dropout: the attention core,
-    without parameters (its own module so that models/parallelize.py can recompute it alone)."""
+    without parameters (its own module so that models/parallelize.py can recompute it alone).
+    `layer` (in the whole model) keys its masks in the layout-invariant dropout mode."""
 
-    def __init__(self, dropout: float):
+    def __init__(self, dropout: float, layer: int = 0):
         super().__init__()
         self.dropout = dropout
+        self.layer = layer
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
+        if self.training and self.dropout and keyed.layout_invariant():  # per (sample, global head) masks
+            return keyed.attention(q, k, v, self.dropout, self.layer, attn_mask=attend)
         with get_rng_tracker().fork():  # attention dropout differs between the TP ranks' heads
             return F.scaled_dot_product_attention(q, k, v, attn_mask=attend,
                                                   dropout_p=self.dropout if self.training else 0.0)
@@ -96,14 +105,14 @@ class Attention(nn.Module):
 class SelfAttention(nn.Module):
     """Bidirectional multi-head attention over the non-padding tokens; this TP rank's heads."""
 
-    def __init__(self, config: BertConfig, tp_group=None):
+    def __init__(self, config: BertConfig, tp_group=None, layer: int = 0):
         super().__init__()
         self.num_heads = config.num_attention_heads // config.tensor_model_parallel_size
         self.head_dim = config.hidden_size // config.num_attention_heads
         sp = config.sequence_parallel
         self.qkv = tp.ColumnParallelLinear(config.hidden_size, 3 * config.hidden_size, tp_group,
                                            init_method=normal_init(0.02), stride=3, sequence_parallel=sp)
-        self.core = Attention(config.dropout)
+        self.core = Attention(config.dropout, layer)
         self.proj = tp.RowParallelLinear(config.hidden_size, config.hidden_size, tp_group,
                                          init_method=normal_init(0.02), sequence_parallel=sp)
 
@@ -118,29 +127,31 @@ class SelfAttention(nn.Module):
 class Layer(nn.Module):
     """Attention and GeLU MLP, each with a residual: post-LN ln(x + f(x)) or pre-LN x + f(ln(x))."""
 
-    def __init__(self, config: BertConfig, tp_group=None):
+    def __init__(self, config: BertConfig, tp_group=None, layer: int = 0):
         super().__init__()
         self.post_ln = config.post_layer_norm
         sp = self.sequence_parallel = config.sequence_parallel
         self.ln_1 = tp.LayerNorm(config.hidden_size, config.layernorm_epsilon, tp_group, sp)
-        self.attn = SelfAttention(config, tp_group)
+        self.attn = SelfAttention(config, tp_group, layer)
         self.ln_2 = tp.LayerNorm(config.hidden_size, config.layernorm_epsilon, tp_group, sp)
         self.fc = tp.ColumnParallelLinear(config.hidden_size, config.ffn_hidden_size, tp_group,
                                           init_method=normal_init(0.02), sequence_parallel=sp)
         self.proj = tp.RowParallelLinear(config.ffn_hidden_size, config.hidden_size, tp_group,
                                          init_method=normal_init(0.02), sequence_parallel=sp)
         self.dropout = config.dropout
+        self.layer = layer  # in the whole model: keys the layout-invariant dropout masks
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x)))
 
     def forward(self, x: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
-        drop = lambda y: _dropout(y, self.dropout, self.training, self.sequence_parallel)  # noqa: E731
+        drop = lambda y, site: _dropout(y, self.dropout, self.training, self.sequence_parallel,  # noqa: E731
+                                        self.layer, site)
         if self.post_ln:
-            x = self.ln_1(x + drop(self.attn(x, attend)))
-            return self.ln_2(x + drop(self._mlp(x)))
-        x = x + drop(self.attn(self.ln_1(x), attend))
-        return x + drop(self._mlp(self.ln_2(x)))
+            x = self.ln_1(x + drop(self.attn(x, attend), keyed.ATTENTION_OUTPUT))
+            return self.ln_2(x + drop(self._mlp(x), keyed.MLP_OUTPUT))
+        x = x + drop(self.attn(self.ln_1(x), attend), keyed.ATTENTION_OUTPUT)
+        return x + drop(self._mlp(self.ln_2(x)), keyed.MLP_OUTPUT)
 
 
 class Bert(StageContract, nn.Module):
@@ -174,7 +185,7 @@ class Bert(StageContract, nn.Module):
         blocks = []
         for i in self.layers:
             with seeded(base_seed + 1 + i):
-                blocks.append(Layer(config, tp_group))
+                blocks.append(Layer(config, tp_group, i))
         self.blocks = nn.ModuleList(blocks)
         if post_process:
             with seeded(base_seed + 1 + config.num_layers):

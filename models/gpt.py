@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from megazero import tensor_parallel as tp
 from megazero.moe import MoELayer, attached_aux_loss
+from megazero.tensor_parallel import invariant_dropout as keyed
 from megazero.tensor_parallel.random import get_rng_tracker, layer_stream
 from models.common import (
     ModelConfig,
@@ -90,17 +91,21 @@ class GPTConfig(ModelConfig):
 
 class CausalAttention(nn.Module):
     """softmax(q k^T / sqrt(d), causal) v with dropout: the attention core, without parameters (its
-    own module so that models/parallelize.py can recompute it alone: selective recomputation)."""
+    own module so that models/parallelize.py can recompute it alone: selective recomputation).
+    `layer` (in the whole model) keys its masks in the layout-invariant dropout mode."""
 
-    def __init__(self, dropout: float):
+    def __init__(self, dropout: float, layer: int = 0):
         super().__init__()
         self.dropout = dropout
+        self.layer = layer
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         past = k.shape[2] - q.shape[2]  # keys cached from earlier steps (generation)
         mask = None
         if past and q.shape[2] > 1:  # query i sees the cache and the first i + 1 new keys
             mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(diagonal=past)
+        if self.training and self.dropout and keyed.layout_invariant():  # per (sample, global head) masks
+            return keyed.attention(q, k, v, self.dropout, self.layer, attn_mask=mask, is_causal=past == 0)
         with get_rng_tracker().fork():  # attention dropout differs between the TP ranks' heads
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=past == 0,
                                                   dropout_p=self.dropout if self.training else 0.0)
@@ -109,7 +114,7 @@ class CausalAttention(nn.Module):
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention with a causal mask; this TP rank computes its share of the heads."""
 
-    def __init__(self, config: GPTConfig, tp_group=None):
+    def __init__(self, config: GPTConfig, tp_group=None, layer: int = 0):
         super().__init__()
         self.num_heads = config.num_attention_heads // config.tensor_model_parallel_size  # local heads
         self.head_dim = config.hidden_size // config.num_attention_heads
@@ -118,7 +123,7 @@ class CausalSelfAttention(nn.Module):
         # fused [Q; K; V] rows, stride 3: each TP rank holds the Q, K and V rows of its heads
         self.qkv = tp.ColumnParallelLinear(config.hidden_size, 3 * config.hidden_size, tp_group,
                                            init_method=normal_init(0.02), stride=3, sequence_parallel=sp)
-        self.core = CausalAttention(config.dropout)
+        self.core = CausalAttention(config.dropout, layer)
         self.proj = tp.RowParallelLinear(config.hidden_size, config.hidden_size, tp_group,
                                          init_method=normal_init(residual_std), sequence_parallel=sp)
 
@@ -161,23 +166,26 @@ class Block(nn.Module):
         super().__init__()
         sp = config.sequence_parallel
         self.ln_1 = tp.LayerNorm(config.hidden_size, config.layernorm_epsilon, tp_group, sp)
-        self.attn = CausalSelfAttention(config, tp_group)
+        self.attn = CausalSelfAttention(config, tp_group, layer)
         self.ln_2 = tp.LayerNorm(config.hidden_size, config.layernorm_epsilon, tp_group, sp)
         moe = moe_layer_config(config, layer, "gelu", 0.02 / math.sqrt(2 * config.num_layers))
         self.mlp = MLP(config, tp_group) if moe is None else MoELayer(moe, ep_group, tp_group)
         self.dropout = config.dropout
         self.sequence_parallel = sp
+        self.layer = layer  # in the whole model: keys the layout-invariant dropout masks
 
-    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+    def _dropout(self, x: torch.Tensor, site: int) -> torch.Tensor:
         if not (self.training and self.dropout):
             return x
+        if keyed.layout_invariant():  # per-sample masks of (layer, site)
+            return keyed.hidden_dropout(x, self.dropout, self.layer, site, self.sequence_parallel)
         # sequence-parallel activations are different tokens on each TP rank: draw per-rank masks
         with get_rng_tracker().fork() if self.sequence_parallel else contextlib.nullcontext():
             return F.dropout(x, self.dropout, True)
 
     def forward(self, x: torch.Tensor, kv_cache: dict | None = None) -> torch.Tensor:
-        x = x + self._dropout(self.attn(self.ln_1(x), kv_cache))
-        return x + self._dropout(self.mlp(self.ln_2(x)))
+        x = x + self._dropout(self.attn(self.ln_1(x), kv_cache), keyed.ATTENTION_OUTPUT)
+        return x + self._dropout(self.mlp(self.ln_2(x)), keyed.MLP_OUTPUT)
 
 
 class GPT(StageContract, CausalLMGeneration, nn.Module):
@@ -231,6 +239,8 @@ class GPT(StageContract, CausalLMGeneration, nn.Module):
             x = tp.scatter_to_sequence_parallel_region(x, self.tp_group)
         if not (self.training and self.config.dropout):
             return x
+        if keyed.layout_invariant():
+            return keyed.hidden_dropout(x, self.config.dropout, 0, keyed.EMBEDDING, self.config.sequence_parallel)
         with get_rng_tracker().fork() if self.config.sequence_parallel else contextlib.nullcontext():
             return F.dropout(x, self.config.dropout, True)
 

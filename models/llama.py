@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from megazero import tensor_parallel as tp
 from megazero.moe import MoELayer, attached_aux_loss
+from megazero.tensor_parallel import invariant_dropout as keyed
 from megazero.tensor_parallel.random import get_rng_tracker
 from models.common import (
     ModelConfig,
@@ -121,17 +122,21 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tens
 class GroupedAttentionCore(nn.Module):
     """softmax(q k^T / sqrt(d), causal) v with dropout, where q has a multiple of k's heads (each
     key/value head serves consecutive query heads: scaled_dot_product_attention's enable_gqa).
-    No parameters: its own module so that selective recomputation can recompute it alone."""
+    No parameters: its own module so that selective recomputation can recompute it alone. `layer`
+    (in the whole model) keys its masks in the layout-invariant dropout mode."""
 
-    def __init__(self, dropout: float):
+    def __init__(self, dropout: float, layer: int = 0):
         super().__init__()
         self.dropout = dropout
+        self.layer = layer
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         past = k.shape[2] - q.shape[2]  # keys cached from earlier steps (generation)
         mask = None
         if past and q.shape[2] > 1:  # query i sees the cache and the first i + 1 new keys
             mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(diagonal=past)
+        if self.training and self.dropout and keyed.layout_invariant():  # per (sample, global head) masks
+            return keyed.attention(q, k, v, self.dropout, self.layer, attn_mask=mask, is_causal=past == 0)
         with get_rng_tracker().fork():  # attention dropout differs between the TP ranks' heads
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=past == 0,
                                                   dropout_p=self.dropout if self.training else 0.0,
@@ -142,7 +147,7 @@ class GroupedQueryAttention(nn.Module):
     """Causal self-attention with rotary positions and num_query_groups key/value heads; this TP
     rank computes its share of the query heads (see the module docstring for the key/value heads)."""
 
-    def __init__(self, config: LlamaConfig, tp_group=None):
+    def __init__(self, config: LlamaConfig, tp_group=None, layer: int = 0):
         super().__init__()
         tp_size, sp = config.tensor_model_parallel_size, config.sequence_parallel
         heads, groups = config.num_attention_heads, config.num_query_groups
@@ -162,7 +167,7 @@ class GroupedQueryAttention(nn.Module):
         else:
             self.kv = tp.ReplicatedLinear(config.hidden_size, kv_size, tp_group, bias=False,
                                           init_method=normal_init(0.02), sequence_parallel=sp)
-        self.core = GroupedAttentionCore(config.dropout)
+        self.core = GroupedAttentionCore(config.dropout, layer)
         self.proj = tp.RowParallelLinear(heads * self.head_dim, config.hidden_size, tp_group, bias=False,
                                          init_method=normal_init(0.02 / math.sqrt(2 * config.num_layers)),
                                          sequence_parallel=sp)
@@ -216,23 +221,26 @@ class Block(nn.Module):
         super().__init__()
         sp = config.sequence_parallel
         self.norm_1 = tp.RMSNorm(config.hidden_size, config.norm_epsilon, tp_group, sp)
-        self.attn = GroupedQueryAttention(config, tp_group)
+        self.attn = GroupedQueryAttention(config, tp_group, layer)
         self.norm_2 = tp.RMSNorm(config.hidden_size, config.norm_epsilon, tp_group, sp)
         moe = moe_layer_config(config, layer, "swiglu", 0.02 / math.sqrt(2 * config.num_layers))
         self.mlp = SwiGLU(config, tp_group) if moe is None else MoELayer(moe, ep_group, tp_group)
         self.dropout = config.dropout
         self.sequence_parallel = sp
+        self.layer = layer  # in the whole model: keys the layout-invariant dropout masks
 
-    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+    def _dropout(self, x: torch.Tensor, site: int) -> torch.Tensor:
         if not (self.training and self.dropout):
             return x
+        if keyed.layout_invariant():  # per-sample masks of (layer, site)
+            return keyed.hidden_dropout(x, self.dropout, self.layer, site, self.sequence_parallel)
         # sequence-parallel activations are different tokens on each TP rank: draw per-rank masks
         with get_rng_tracker().fork() if self.sequence_parallel else contextlib.nullcontext():
             return F.dropout(x, self.dropout, True)
 
     def forward(self, x: torch.Tensor, kv_cache: dict | None = None) -> torch.Tensor:
-        x = x + self._dropout(self.attn(self.norm_1(x), kv_cache))
-        return x + self._dropout(self.mlp(self.norm_2(x)))
+        x = x + self._dropout(self.attn(self.norm_1(x), kv_cache), keyed.ATTENTION_OUTPUT)
+        return x + self._dropout(self.mlp(self.norm_2(x)), keyed.MLP_OUTPUT)
 
 
 class Llama(StageContract, CausalLMGeneration, nn.Module):
@@ -287,6 +295,8 @@ class Llama(StageContract, CausalLMGeneration, nn.Module):
             x = tp.scatter_to_sequence_parallel_region(x, self.tp_group)
         if not (self.training and self.config.dropout):
             return x
+        if keyed.layout_invariant():
+            return keyed.hidden_dropout(x, self.config.dropout, 0, keyed.EMBEDDING, self.config.sequence_parallel)
         with get_rng_tracker().fork() if self.config.sequence_parallel else contextlib.nullcontext():
             return F.dropout(x, self.config.dropout, True)
 

@@ -13,11 +13,18 @@ batch, pipeline stage[, TP rank]) and puts the process's own states back afterwa
 are then a function of where a micro-batch is in training, not of what consumed random numbers
 before it (an evaluation, a sample, a throughput probe, a restart), so a resumed run draws the
 masks of an uninterrupted one at any layout that keeps those coordinates.
+
+The opt-in layout-invariant mode (the engine config's `dropout_masks.layout_invariant`) keys every
+mask by the samples instead: micro_batch() then also publishes SampleKeys (seed, step, the global
+batch positions of the micro-batch's rows, TP rank), and the models' dropout sites draw per-sample
+(and per-attention-head) masks from them (megazero.tensor_parallel.invariant_dropout), so that any
+micro-batch size, DP, TP, SP, PP, v or EP layout draws the same masks for the same sample.
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 
@@ -27,6 +34,41 @@ _MASK64 = (1 << 64) - 1
 _DEFAULT_STREAM, _TENSOR_PARALLEL_STREAM = 1, 2  # stream kinds: their seeds never coincide
 _LAYER_STREAM, _LAYER_TENSOR_PARALLEL_STREAM = 3, 4
 _ACTIVE: list[tuple[MicroBatchStreams, int, int]] = []  # the training micro-batch running: (streams, step, index)
+
+
+@dataclass(frozen=True)
+class SampleKeys:
+    """What a layout-invariant dropout mask depends on besides its layer and site: the seed, the step,
+    the positions in the global batch of the micro-batch's rows (first_sample, first_sample + 1, ...;
+    `rows` of them), and the TP rank and size (which attention heads, which slice of the sequence
+    under SP, this rank holds)."""
+
+    seed: int
+    step: int
+    first_sample: int
+    rows: int
+    tp_rank: int = 0
+    tp_size: int = 1
+
+
+_KEYED: list[SampleKeys | None] = []  # the layout-invariant micro-batch running (None: the default mode)
+
+
+def layout_invariant_keys() -> SampleKeys | None:
+    """The running training micro-batch's SampleKeys in the layout-invariant mode, else None (the
+    default mode, evaluation, generation, a model used without the engine)."""
+    return _KEYED[-1] if _KEYED else None
+
+
+@contextlib.contextmanager
+def sample_keys_restored(keys: SampleKeys | None):
+    """Run the block with `keys` as the running micro-batch's (activation checkpointing's recompute,
+    in backward, outside the forward's micro_batch(): it redraws the forward's masks)."""
+    _KEYED.append(keys)
+    try:
+        yield
+    finally:
+        _KEYED.pop()
 
 
 def _device_of_default() -> str:
@@ -170,11 +212,16 @@ class MicroBatchStreams:
     whole) is the same on all TP ranks; the tracker's (inside the tensor-parallel region, and
     sequence-parallel activations) differs per TP rank; both differ per pipeline stage, which
     holds other layers.
+
+    layout_invariant: micro_batch() also publishes SampleKeys for the micro-batch's samples
+    (layout_invariant_keys), from which the models draw per-sample masks instead.
     """
 
-    def __init__(self, seed: int, pp_rank: int = 0, tp_rank: int = 0, tp_size: int = 1):
+    def __init__(self, seed: int, pp_rank: int = 0, tp_rank: int = 0, tp_size: int = 1,
+                 layout_invariant: bool = False):
         self.seed = int(seed)
         self.pp_rank, self.tp_rank, self.tp_size = pp_rank, tp_rank, tp_size
+        self.layout_invariant = layout_invariant
 
     def layer_seeds(self, step: int, index: int, layer: int) -> tuple[int, int]:
         """(default generator seed, tracker seed) of layer `layer` (its number in the whole model)
@@ -188,9 +235,23 @@ class MicroBatchStreams:
                 stream_seed(self.seed, _TENSOR_PARALLEL_STREAM, step, index, self.pp_rank, self.tp_rank))
 
     @contextlib.contextmanager
-    def micro_batch(self, step: int, index: int):
+    def micro_batch(self, step: int, index: int, samples: range | None = None):
         """Run a training forward on this micro-batch's streams; the process's generators (CPU, the
-        current CUDA device) and the tracker's states are as before afterwards."""
+        current CUDA device) and the tracker's states are as before afterwards. samples: the
+        positions in the global batch of its rows (needed in the layout-invariant mode)."""
+        if self.layout_invariant:
+            if samples is None or samples.step != 1:
+                raise ValueError(f"layout-invariant dropout needs the micro-batch's samples as a range of "
+                                 f"consecutive positions in the global batch, got {samples!r}")
+            keys = SampleKeys(self.seed, step, samples.start, len(samples), self.tp_rank, self.tp_size)
+            with sample_keys_restored(keys), self._streams(step, index):
+                yield
+            return
+        with self._streams(step, index):
+            yield
+
+    @contextlib.contextmanager
+    def _streams(self, step: int, index: int):
         default_seed, tracker_seed = self.seeds(step, index)
         device = _device_of_default()
         saved_tracker = _TRACKER.get_states()
