@@ -106,9 +106,6 @@ def check_moe(config: ModelConfig) -> None:
                          f"got {config.moe_router_topk}")
     if config.moe_layer_freq < 1:
         raise ValueError(f"moe_layer_freq must be at least 1, got {config.moe_layer_freq}")
-    if config.sequence_parallel:
-        raise ValueError("num_experts with sequence_parallel is not supported: the MoE layer takes the whole "
-                         "sequence on every tensor-parallel rank")
 
 
 def moe_layer_config(config: ModelConfig, layer: int, activation: str, output_init_std: float):
@@ -122,7 +119,8 @@ def moe_layer_config(config: ModelConfig, layer: int, activation: str, output_in
                      num_experts=config.num_experts, router_topk=config.moe_router_topk,
                      capacity_factor=config.moe_capacity_factor, aux_loss_coeff=config.moe_aux_loss_coeff,
                      z_loss_coeff=config.moe_z_loss_coeff, activation=activation, output_init_std=output_init_std,
-                     attach_aux_loss=True)  # their gradient through the layer's output, on any pipeline stage
+                     attach_aux_loss=True,  # their gradient through the layer's output, on any pipeline stage
+                     sequence_parallel=config.sequence_parallel)  # gathers the sequence, returns this rank's slice
 
 
 def normal_init(std: float):

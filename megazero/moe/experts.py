@@ -24,10 +24,11 @@ zero-padded [E_local, M, H] block, M the largest row count of a local expert (at
 capacity in capacity mode; in dropless mode whatever the router sent), and every expert runs in
 one torch.bmm per weight; the padding rows are computed and thrown away.
 
-Tensor parallelism inside the experts (`tp_group`, without sequence parallelism): fc1 is
+Tensor parallelism inside the experts (`tp_group`): fc1 is
 column-parallel (each TP rank holds F/TP of its rows, [gate; up] split with stride 2 for SwiGLU)
 and fc2 row-parallel (the matching columns), the partial outputs summed over the TP group before
-fc2's bias, exactly as the dense MLP; the tokens are the same on every TP rank.
+fc2's bias, exactly as the dense MLP; the tokens are the same on every TP rank (under sequence
+parallelism the layer gathers the sequence first: megazero/moe/sequence.py).
 """
 
 from __future__ import annotations

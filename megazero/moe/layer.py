@@ -24,6 +24,10 @@ With `attach_aux_loss` (how GPT and Llama build their MoE layers) a training for
 aux_loss() to the layer's output (megazero/moe/aux_loss.py): it gets the main loss's gradient in
 that output's backward, on whichever pipeline stage the layer is and under recomputation, and
 the model adds only its value to the loss (`attached_aux_loss`).
+
+With `sequence_parallel` (x is this TP rank's slice of the sequence, [batch, seq/TP, hidden]) the
+layer gathers the sequence over `tp_group`, runs on all of it and returns this rank's slice
+(megazero/moe/sequence.py: why this design, and the gradients).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from megazero.moe.comm import all_gather_counts, all_reduce_sum, group_rank
 from megazero.moe.dispatch import combine, dispatch
 from megazero.moe.experts import GroupedExperts
 from megazero.moe.router import Router, load_balancing_loss, z_loss
+from megazero.moe.sequence import gather_sequence, split_sequence
 
 
 @dataclass
@@ -62,6 +67,8 @@ class MoEConfig:
     # so the model adds only their value to its loss (models/gpt.py, models/llama.py); False: the caller
     # adds aux_loss() to its loss itself
     attach_aux_loss: bool = False
+    # x is this TP rank's slice of the sequence, [batch, seq/TP, hidden] (megazero/moe/sequence.py)
+    sequence_parallel: bool = False
 
 
 class MoELayer(nn.Module):
@@ -69,7 +76,7 @@ class MoELayer(nn.Module):
 
     def __init__(self, config: MoEConfig, ep_group=None, tp_group=None):
         super().__init__()
-        self.config, self.ep_group = config, ep_group
+        self.config, self.ep_group, self.tp_group = config, ep_group, tp_group
         self.router = Router(config.hidden_size, config.num_experts, config.router_topk, config.score_order,
                              config.init_std)
         self.experts = GroupedExperts(config.num_experts, config.hidden_size, config.ffn_hidden_size,
@@ -80,6 +87,8 @@ class MoELayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., hidden] -> the experts' combined output, same shape and dtype."""
+        if self.config.sequence_parallel:
+            x = gather_sequence(x, self.tp_group)  # every TP rank routes the whole sequence
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         routing = self.router(tokens)
@@ -95,6 +104,8 @@ class MoELayer(nn.Module):
         if self.config.attach_aux_loss and self.training:
             # also under recomputation: the recomputed forward attaches them again, in its graph
             y = attach_aux_loss(y, self.aux_loss())
+        if self.config.sequence_parallel:
+            y = split_sequence(y, self.tp_group)
         return y
 
     def _record(self, probs: torch.Tensor, logits: torch.Tensor, routed: torch.Tensor, kept: torch.Tensor) -> None:

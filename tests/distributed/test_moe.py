@@ -2,7 +2,8 @@
 the single-process layer built from the same seed on the whole batch: outputs, input gradients,
 the experts' gradients (this rank's slice / TP shard of the reference's), the router's gradient
 (summed over the EP group), the auxiliary losses and the statistics, in dropless and capacity
-mode (the same tokens dropped). Also the all-to-all autograd function on its own, and a 2-layer
+mode (the same tokens dropped); at TP=2 also with sequence parallelism (each rank's slice of the
+sequence in and out). Also the all-to-all autograd function on its own, and a 2-layer
 MoE GPT at EP = DP = 2 against the single-process GPT on the whole batch (loss and every gradient,
 averaged over DP as the engine does)."""
 
@@ -103,6 +104,34 @@ def _tensor_parallel_experts_match_single_process() -> None:
             _close(param.grad, full, f"{case} TP {name} grad")
 
 
+def _sequence_parallel_layer_matches_single_process() -> None:
+    group = dist.new_group([0, 1])
+    rank, tp = dist.get_rank(group), dist.get_world_size(group)
+    for case in CASES:
+        layer, reference = _layers(case, tp_group=group)
+        layer.config.sequence_parallel = True
+        x, upstream = (t.view(2, 12, 16) for t in _batch())  # [batch, seq, hidden]
+        mine = slice(6 * rank, 6 * rank + 6)  # this rank's half of the sequence
+        local_x, whole_x = x[:, mine].clone().requires_grad_(), x.clone().requires_grad_()
+        y = layer(local_x)
+        # every TP rank adds the same aux losses (the model's loss is the same on every TP rank)
+        ((y * upstream[:, mine]).sum() + layer.aux_loss()).backward()
+        expected = reference(whole_x)
+        ((expected * upstream).sum() + reference.aux_loss()).backward()
+        _close(y, expected[:, mine], f"{case} SP output")
+        _close(local_x.grad, whole_x.grad[:, mine], f"{case} SP input grad")
+        _close(layer.router.weight.grad, reference.router.weight.grad, f"{case} SP router grad")
+        for name, param in layer.experts.named_parameters():
+            full = getattr(reference.experts, name).grad
+            if getattr(param, "tensor_model_parallel", False):
+                full = shard_of(full, param.partition_dim, tp, rank, param.partition_stride)
+            _close(param.grad, full, f"{case} SP {name} grad")
+        for key in ("load_balancing", "z_loss"):
+            _close(layer.last_aux_losses[key], reference.last_aux_losses[key], f"{case} SP {key}")
+        for key, value in reference.last_stats.items():  # the same tokens dropped
+            _close(layer.last_stats[key], value, f"{case} SP {key}")
+
+
 def _all_to_all_gradients() -> None:
     group = dist.new_group([0, 1])
     rank = dist.get_rank(group)
@@ -162,4 +191,6 @@ def test_expert_parallel_layer_matches_single_process(pools):
 
 
 def test_tensor_parallel_experts_match_single_process(pools):
-    pools(2).run(_tensor_parallel_experts_match_single_process)
+    pool = pools(2)
+    pool.run(_tensor_parallel_experts_match_single_process)
+    pool.run(_sequence_parallel_layer_matches_single_process)

@@ -15,7 +15,9 @@ single process has both the EP run's routing and its masks. (Inside the MoE laye
 random numbers: the experts after the all-to-all have no dropout; the block's dropout is on this
 rank's own tokens.) Dropout with MoE is covered by the recipe test, which trains with it.
 
-The same at EP=2 x TP=2 and at EP=2 x PP=2 (4 ranks each, EP=2 over DP=2, 2 micro-batches of
+The same at EP=2 x TP=2, at EP=2 x PP=2 and at EP=2 x TP=2 with sequence parallelism (the MoE
+layers gather the sequence over TP: megazero/moe/sequence.py), and the MoE Llama (SwiGLU experts) at
+EP=2 x PP=2 (4 ranks each, EP=2 over DP=2, 2 micro-batches of
 one sample per rank, so that the 1/accumulation gradient scale of the auxiliary losses is used)
 against the single process with 2 micro-batches of 2 samples: micro-batch m of the EP group is
 rank 0's sample 2m then rank 1's 2m + 1, the single process's micro-batch m. At PP=2 the first
@@ -35,6 +37,7 @@ from megazero.model_contract import global_name_of
 from megazero.moe import moe_stats
 from megazero.tensor_parallel.utils import merge_shards, partition_of
 from models.gpt import GPTConfig
+from models.llama import LlamaConfig
 from models.parallelize import parallelize
 
 VOCAB, SEQ, BATCH, STEPS, MORE = 64, 16, 4, 10, 2
@@ -43,21 +46,25 @@ MODES = {"dropless": (None, 1), "capacity": (1.0, 2)}  # mode: (capacity factor,
 STATS = ("dropped_fraction", "tokens_per_expert_min", "tokens_per_expert_max")
 
 
-LAYOUTS = {"ep2_tp2": (2, 1), "ep2_pp2": (1, 2)}  # (TP, PP) with EP=2 over DP=2 on 4 ranks
+# (TP, PP, sequence parallel, model) with EP=2 over DP=2 on 4 ranks
+LAYOUTS = {"ep2_tp2": (2, 1, False, "gpt"), "ep2_pp2": (1, 2, False, "gpt"), "ep2_tp2_sp": (2, 1, True, "gpt"),
+           "llama_ep2_pp2": (1, 2, False, "llama")}
 
 
-def _config(factor: float | None, tp: int = 1) -> GPTConfig:
-    return GPTConfig(vocab_size=VOCAB, seq_length=SEQ, num_layers=2, hidden_size=32, num_attention_heads=2,
-                     make_vocab_size_divisible_by=16, num_experts=4, moe_router_topk=2, moe_capacity_factor=factor,
-                     moe_z_loss_coeff=1e-3, tensor_model_parallel_size=tp)
+def _config(factor: float | None, tp: int = 1, sp: bool = False, model: str = "gpt") -> GPTConfig | LlamaConfig:
+    config_class = GPTConfig if model == "gpt" else LlamaConfig
+    return config_class(vocab_size=VOCAB, seq_length=SEQ, num_layers=2, hidden_size=32, num_attention_heads=2,
+                        make_vocab_size_divisible_by=16, num_experts=4, moe_router_topk=2, moe_capacity_factor=factor,
+                        moe_z_loss_coeff=1e-3, tensor_model_parallel_size=tp, sequence_parallel=sp)
 
 
-def _engine(factor: float | None, stage: int, ep: int | None, tp: int = 1, pp: int = 1, micro: int | None = None):
+def _engine(factor: float | None, stage: int, ep: int | None, tp: int = 1, pp: int = 1, micro: int | None = None,
+            sp: bool = False, model: str = "gpt"):
     """ep None: the single process without a grid; else the grid with that EP (and TP, PP) size over
     the world. micro: samples per micro-batch (default: the global batch over DP, one micro-batch)."""
     grid = parallel_state.initialize_model_parallel(tp, pp, ep) if ep is not None else None
     torch.manual_seed(0)  # every layout builds the same model
-    model = parallelize(_config(factor, tp), grid)
+    model = parallelize(_config(factor, tp, sp, model), grid)
     dp = grid.data_parallel_size if grid is not None else 1
     config = {"train_batch_size": BATCH, "train_micro_batch_size_per_gpu": micro or BATCH // dp,
               "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}},
@@ -157,13 +164,13 @@ def run_single_process(save_dir: str) -> dict:
 
 
 def run_model_parallel_layouts(save_dir: str) -> dict:
-    """Each layout of LAYOUTS and each mode (4 ranks): 10 steps; the EP x PP run saves, and 2 more."""
+    """Each layout of LAYOUTS and each mode (4 ranks): 10 steps; the GPT EP x PP run saves, and 2 more."""
     out = {}
-    for layout, (tp, pp) in LAYOUTS.items():
+    for layout, (tp, pp, sp, model) in LAYOUTS.items():
         for mode, (factor, stage) in MODES.items():
-            engine = _engine(factor, stage, 2, tp, pp, micro=1)
+            engine = _engine(factor, stage, 2, tp, pp, micro=1, sp=sp, model=model)
             out[layout, mode] = run = _train_batches(engine, STEPS)
-            if pp > 1:
+            if pp > 1 and model == "gpt":
                 engine.save_checkpoint(f"{save_dir}/{layout}-{mode}", "ep2pp2")
                 run["next"] = _train_batches(engine, MORE, start=STEPS)
     return out
@@ -171,9 +178,11 @@ def run_model_parallel_layouts(save_dir: str) -> dict:
 
 def run_single_process_accumulating(save_dir: str) -> dict:
     """Each mode in one process, 2 micro-batches of 2 samples: 10 steps; then a fresh engine loads
-    the EP x PP checkpoint (EP=1, PP=1: experts re-cut, stages joined) and trains 2 more."""
+    the EP x PP checkpoint (EP=1, PP=1: experts re-cut, stages joined) and trains 2 more. The MoE
+    Llama's 10 steps under ("llama", mode)."""
     out = {}
     for mode, (factor, stage) in MODES.items():
+        out["llama", mode] = _train_batches(_engine(factor, 0, None, micro=2, model="llama"), STEPS)
         out[mode] = _train_batches(_engine(factor, 0, None, micro=2), STEPS)
         loaded = _engine(factor, stage, None, micro=2)
         loaded.load_checkpoint(f"{save_dir}/ep2_pp2-{mode}", "ep2pp2")
@@ -223,19 +232,22 @@ def test_moe_gpt_ep_tp_and_ep_pp_match_single_process(pools, tmp_path):
     runs = pools(4).run(run_model_parallel_layouts, save_dir)
     ref = pools(1).run(run_single_process_accumulating, save_dir)[0]
     for mode in MODES:
-        dropped = [s["dropped_fraction"] for s in ref[mode]["stats"]]
-        assert (max(dropped) > 0) == (mode == "capacity"), f"{mode}: dropped fractions {dropped}"
-        for layout, (_, pp) in LAYOUTS.items():
+        for key in (mode, ("llama", mode)):
+            dropped = [s["dropped_fraction"] for s in ref[key]["stats"]]
+            assert (max(dropped) > 0) == (mode == "capacity"), f"{key}: dropped fractions {dropped}"
+        for layout, (_, pp, _, model) in LAYOUTS.items():
+            expected = ref[mode] if model == "gpt" else ref[model, mode]
             names = set()  # the whole model from the ranks' parameters (a pipeline stage holds some)
             for rank, run in enumerate(runs):
                 mine, what = run[layout, mode], f"{mode} {layout} rank {rank}"
-                _assert_same_losses(ref[mode], mine, what)
-                _assert_params_close(ref[mode]["params"], mine["params"], what)
+                _assert_same_losses(expected, mine, what)
+                _assert_params_close(expected["params"], mine["params"], what)
                 names |= mine["params"].keys()
-                if pp > 1:  # the EP x PP checkpoint continues in the single process as it did at EP x PP
+                # the GPT EP x PP checkpoint continues in the single process as it did at EP x PP
+                if pp > 1 and model == "gpt":
                     _assert_same_losses(mine["next"], ref[mode]["next"], f"{what} -> EP=1 PP=1")
                     _assert_params_close(ref[mode]["next"]["params"], mine["next"]["params"], f"{what} -> EP=1 PP=1")
-            assert names == ref[mode]["params"].keys(), f"{mode} {layout}: parameters missing"
+            assert names == expected["params"].keys(), f"{mode} {layout}: parameters missing"
 
 
 def test_aux_losses_train_under_recomputation():

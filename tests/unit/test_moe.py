@@ -166,5 +166,10 @@ def test_models_use_moe_every_freq_th_layer_and_train_on_the_aux_loss(model):
     assert stats["load_balancing"] + stats["z_loss"] == pytest.approx(aux.item(), rel=1e-6)
     assert 0 < stats["dropped_fraction"] < 1 and stats["tokens_per_expert_min"] <= stats["tokens_per_expert_max"]
     assert moe_stats(cls(config_cls(**shape))) == {}
-    with pytest.raises(ValueError, match="sequence_parallel is not supported"):
-        config_cls(**shape, num_experts=4, sequence_parallel=True)
+    # sequence parallelism builds sequence-parallel MoE layers (at one TP rank: the same model and loss;
+    # TP=2: tests/distributed/test_moe.py, test_moe_engine.py)
+    torch.manual_seed(0)
+    sp = cls(config_cls(**shape, num_experts=4, moe_layer_freq=2, moe_capacity_factor=1.0, moe_z_loss_coeff=1e-3,
+                        sequence_parallel=True))
+    assert [b.mlp.config.sequence_parallel for b in sp.blocks if not isinstance(b.mlp, dense)] == [True, True]
+    torch.testing.assert_close(sp.train()(ids, labels=ids), moe(ids, labels=ids))
