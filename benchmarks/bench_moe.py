@@ -164,6 +164,8 @@ def summarize(result: dict, args) -> dict:
             "ffn_hidden_size": config.ffn_hidden_size, "num_experts": config.num_experts,
             "train_seconds": result["spent"][name], "train_steps": result["steps"][name],
             "train_tokens": result["steps"][name] * GLOBAL_BATCH * config.seq_length,
+            # the same comparison over part 2's alternating single steps (more of them than part 1's trials)
+            "equal_time_tokens_per_s": result["steps"][name] * GLOBAL_BATCH * config.seq_length / result["spent"][name],
             "valid_loss": result["valid_loss"][name],
         }
     moe_time = sum(result["times"]["moe_ep2"])
@@ -193,16 +195,17 @@ def main(argv=None) -> dict:
     print(f"recipe MoE GPT (gpt2_moe_cpu.json{', --quick shape' if args.quick else ''}: {config.num_experts} experts, "
           f"top-{config.moe_router_topk}, dropless) at EP=2 on DP=2 vs the dense GPT of the same active parameters "
           f"(ffn {dense['ffn_hidden_size']} = {config.moe_router_topk} x {config.ffn_hidden_size}); 2 gloo ranks x 1 "
-          f"thread, fp32, ZeRO 1, {GLOBAL_BATCH} x {config.seq_length} tokens/step, {args.trials} alternating trials of "
-          f"{args.steps} steps")
+          f"thread, fp32, ZeRO 1, {GLOBAL_BATCH} x {config.seq_length} tokens/step, {args.trials} alternating trials "
+          f"of {args.steps} steps")
     print(f"{'model':<10}{'params':>12}{'active':>12}{'tokens/s':>10}{'vs dense':>10}{'steps in':>10}"
-          f"{'valid loss':>12}")
+          f"{'tokens/s':>10}{'valid loss':>12}")
     for name, row in rows.items():
         print(f"{name:<10}{row['parameters']:>12,}{row['active_parameters']:>12,}{row['tokens_per_s']:>10,.0f}"
-              f"{row['ratio_to_dense']:>10.3f}{row['train_steps']:>10}{row['valid_loss']:>12.4f}")
+              f"{row['ratio_to_dense']:>10.3f}{row['train_steps']:>10}{row['equal_time_tokens_per_s']:>10,.0f}"
+              f"{row['valid_loss']:>12.4f}")
     print(f"steps in: training steps done in {args.train_seconds:.0f} s of each model's own step time (alternating "
-          f"steps); valid loss: mean over {args.eval_iters} x 2 validation micro-batches of {MICRO_BATCH}, the same "
-          f"for both")
+          f"steps), and their tokens/s; valid loss: mean over {args.eval_iters} x 2 validation micro-batches of "
+          f"{MICRO_BATCH}, the same for both")
     for kind, shares in moe["all_to_all_share"].items():
         print(f"all-to-all {kind} (forward + backward) share of the MoE step, per rank: "
               + " ".join(f"{s:.3f}" for s in shares))

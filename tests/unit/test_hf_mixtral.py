@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from megazero.checkpoint.model_files import load_model, write_weights_checkpoint
+from models import hf_mixtral
 from models.gpt import GPT, GPTConfig
 from models.llama import Llama, LlamaConfig
 from tests.conftest import CORPUS_PREFIX
@@ -22,6 +23,8 @@ from tests.training_helpers import FAMILY, TINY_LLAMA, base_config, train
 TOKENIZER = CORPUS_PREFIX + "_tokenizer.model"
 MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_router_score_order": "topk_softmax"}
 SHAPE = {**TINY_LLAMA, "dropout": 0.0}  # for the in-process checkpoints (logits are compared in eval mode)
+# the corpus tokenizer (8,000 pieces) with the tiny models' 256 rows: export_hf's mismatch warning, expected here
+pytestmark = pytest.mark.filterwarnings("ignore:the tokenizer .* has 8000 pieces:UserWarning")
 
 
 def _export(load: str, out: str) -> str:
@@ -85,13 +88,17 @@ def test_transformers_mixtral_imports_with_its_logits(tmp_path):
     hf = MixtralForCausalLM(MixtralConfig(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
                                           num_local_experts=4, num_experts_per_tok=2, rms_norm_eps=1e-6))
-    hf.eval().save_pretrained(str(tmp_path / "hf"))  # transformers' own layout of the experts
+    hf.eval().save_pretrained(str(tmp_path / "hf"))  # the Hub's layout: w1/w2/w3 per expert
     import_hf(["--hf-dir", str(tmp_path / "hf"), "--save", str(tmp_path / "imported")])
     ours = load_model(str(tmp_path / "imported"), model_class=Llama, config_class=LlamaConfig)
     assert (ours.config.num_experts, ours.config.moe_router_score_order) == (4, "topk_softmax")
     ids = _ids(256, 1)
     with torch.no_grad():
         torch.testing.assert_close(ours(ids), hf(ids).logits, rtol=1e-5, atol=1e-5)
+    # transformers 5's in-memory layout (experts fused into gate_up_proj / down_proj) gives the same tensors
+    _, fused = hf_mixtral.from_hf(hf.config.to_dict(), hf.state_dict())
+    assert "model.layers.0.mlp.experts.gate_up_proj" in hf.state_dict()
+    assert all(torch.equal(fused[name], value) for name, value in ours.state_dict().items())
 
 
 def test_capacity_factor_warns_and_exports_the_dropless_model(tmp_path):
