@@ -75,6 +75,7 @@ bench: install data $(BENCH_STAMP)
 	$(BIN)/python benchmarks/bench_activations.py
 	DS_ACCELERATOR=cpu $(BIN)/python benchmarks/bench_cpu_adam.py
 	$(BIN)/python benchmarks/bench_watchdog.py
+	$(BIN)/python benchmarks/bench_moe.py
 
 # Compile the CUDA ops against a CUDA build of torch in a separate venv (not part of `make test`);
 # on a machine with a GPU it then runs their tests and benchmarks/gpu_ops.py.

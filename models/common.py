@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from megazero.meta_device import skeleton
+from megazero.moe.router import SCORE_ORDERS
 
 
 class ModelConfig:
@@ -104,6 +105,8 @@ def check_moe(config: ModelConfig) -> None:
     if config.num_experts < 1 or config.moe_router_topk not in (1, 2) or config.moe_router_topk > config.num_experts:
         raise ValueError(f"num_experts {config.num_experts} needs moe_router_topk 1 or 2 (at most num_experts), "
                          f"got {config.moe_router_topk}")
+    if config.moe_router_score_order not in SCORE_ORDERS:
+        raise ValueError(f"moe_router_score_order must be one of {SCORE_ORDERS}, got {config.moe_router_score_order!r}")
     if config.moe_layer_freq < 1:
         raise ValueError(f"moe_layer_freq must be at least 1, got {config.moe_layer_freq}")
 
@@ -118,7 +121,8 @@ def moe_layer_config(config: ModelConfig, layer: int, activation: str, output_in
     return MoEConfig(hidden_size=config.hidden_size, ffn_hidden_size=config.ffn_hidden_size,
                      num_experts=config.num_experts, router_topk=config.moe_router_topk,
                      capacity_factor=config.moe_capacity_factor, aux_loss_coeff=config.moe_aux_loss_coeff,
-                     z_loss_coeff=config.moe_z_loss_coeff, activation=activation, output_init_std=output_init_std,
+                     z_loss_coeff=config.moe_z_loss_coeff, score_order=config.moe_router_score_order,
+                     activation=activation, output_init_std=output_init_std,
                      attach_aux_loss=True,  # their gradient through the layer's output, on any pipeline stage
                      sequence_parallel=config.sequence_parallel)  # gathers the sequence, returns this rank's slice
 

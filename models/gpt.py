@@ -72,6 +72,9 @@ class GPTConfig(ModelConfig):
     moe_capacity_factor: float | None = None  # None: dropless
     moe_aux_loss_coeff: float = 0.01  # load-balancing loss weight, added to the training loss
     moe_z_loss_coeff: float = 0.0  # router z-loss weight
+    # the router's weights (megazero/moe/router.py): "softmax_topk" (softmax over all experts, the k
+    # largest, not renormalised) or "topk_softmax" (softmax over the k largest logits: Mixtral's)
+    moe_router_score_order: str = "softmax_topk"
 
     def __post_init__(self):
         if self.hidden_size % self.num_attention_heads:

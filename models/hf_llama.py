@@ -38,17 +38,20 @@ def hf_config_dict(config: LlamaConfig, bos_token_id: int, eos_token_id: int) ->
             "megazero_config": config.whole().to_dict()}
 
 
-def to_hf_state_dict(state: dict[str, torch.Tensor], config: LlamaConfig) -> dict[str, torch.Tensor]:
+def to_hf_state_dict(state: dict[str, torch.Tensor], config: LlamaConfig, mlp: bool = True) -> dict[str, torch.Tensor]:
     """megazero Llama state dict (TP=1, global names) -> LlamaForCausalLM state dict (the word
-    embedding and output layer without their padding rows)."""
+    embedding and output layer without their padding rows). mlp False: every tensor but the MLPs'
+    (what models/hf_mixtral.py shares)."""
     vocab = config.vocab_size
     out = {"model.embed_tokens.weight": state["wte.weight"][:vocab], "model.norm.weight": state["norm_f.weight"]}
     if config.untie_embeddings_and_output_weights:
         out["lm_head.weight"] = state["lm_head.weight"][:vocab]
+    names = {k: v for k, v in _NAMES.items() if mlp or not k.startswith("mlp.")}
+    fused = {k: v for k, v in _FUSED.items() if mlp or not k.startswith("mlp.")}
     for i in range(config.num_layers):
-        for ours, theirs in _NAMES.items():
+        for ours, theirs in names.items():
             out[f"model.layers.{i}.{theirs}.weight"] = state[f"blocks.{i}.{ours}.weight"]
-        for ours, (first, second) in _FUSED.items():
+        for ours, (first, second) in fused.items():
             a, b = state[f"blocks.{i}.{ours}.weight"].chunk(2, dim=0)
             out[f"model.layers.{i}.{first}.weight"], out[f"model.layers.{i}.{second}.weight"] = a, b
     return {name: t.contiguous() for name, t in out.items()}
@@ -81,10 +84,12 @@ def _rope_theta(hf_config: dict) -> float:
     return float(parameters.get("rope_theta", hf_config.get("rope_theta", 10000.0)))
 
 
-def config_from_hf(hf_config: dict) -> LlamaConfig:
-    """A megazero LlamaConfig (TP=1) for a LlamaForCausalLM config.json; errors name what differs."""
-    if hf_config.get("model_type") != "llama":
-        raise ValueError(f"expected a llama config, got model_type {hf_config.get('model_type')!r}")
+def config_from_hf(hf_config: dict, model_type: str = "llama", **fields) -> LlamaConfig:
+    """A megazero LlamaConfig (TP=1) for a LlamaForCausalLM config.json (or, with model_type, a
+    config of the same attention and norms: models/hf_mixtral.py, `fields` its MoE ones); errors
+    name what differs."""
+    if hf_config.get("model_type") != model_type:
+        raise ValueError(f"expected a {model_type} config, got model_type {hf_config.get('model_type')!r}")
     for key, expected in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         if hf_config.get(key, expected) != expected:
             raise ValueError(f"{key} {hf_config[key]!r}: megazero's Llama needs {expected!r}")
@@ -99,20 +104,28 @@ def config_from_hf(hf_config: dict) -> LlamaConfig:
                        num_query_groups=hf_config.get("num_key_value_heads") or heads,
                        ffn_hidden_size=hf_config["intermediate_size"], rope_theta=_rope_theta(hf_config),
                        norm_epsilon=hf_config.get("rms_norm_eps", 1e-6),
-                       untie_embeddings_and_output_weights=not hf_config.get("tie_word_embeddings", False))
+                       untie_embeddings_and_output_weights=not hf_config.get("tie_word_embeddings", False),
+                       **fields)
 
 
 def from_hf(hf_config: dict, hf_state: dict[str, torch.Tensor]) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     """LlamaForCausalLM config.json + state dict -> megazero LlamaConfig (TP=1) and state dict."""
     config = config_from_hf(hf_config)
+    return config, state_from_hf(hf_state, config)
+
+
+def state_from_hf(hf_state: dict[str, torch.Tensor], config: LlamaConfig, mlp: bool = True) -> dict[str, torch.Tensor]:
+    """A LlamaForCausalLM state dict -> megazero's for `config` (mlp False: all but the MLPs')."""
     state = {"wte.weight": _padded(hf_state["model.embed_tokens.weight"], config, "model.embed_tokens.weight"),
              "norm_f.weight": hf_state["model.norm.weight"]}
     if config.untie_embeddings_and_output_weights:
         state["lm_head.weight"] = _padded(hf_state["lm_head.weight"], config, "lm_head.weight")
+    names = {k: v for k, v in _NAMES.items() if mlp or not k.startswith("mlp.")}
+    fused = {k: v for k, v in _FUSED.items() if mlp or not k.startswith("mlp.")}
     for i in range(config.num_layers):
-        for ours, theirs in _NAMES.items():
+        for ours, theirs in names.items():
             state[f"blocks.{i}.{ours}.weight"] = hf_state[f"model.layers.{i}.{theirs}.weight"]
-        for ours, (first, second) in _FUSED.items():
+        for ours, (first, second) in fused.items():
             state[f"blocks.{i}.{ours}.weight"] = torch.cat([hf_state[f"model.layers.{i}.{first}.weight"],
                                                             hf_state[f"model.layers.{i}.{second}.weight"]])
-    return config, {name: t.contiguous() for name, t in state.items()}
+    return {name: t.contiguous() for name, t in state.items()}

@@ -1,8 +1,9 @@
-"""Export a GPT, BERT or Llama checkpoint (any TP/PP/DP layout, any ZeRO stage) as a Hugging Face
-transformers model: GPT2LMHeadModel, BertForPreTraining or LlamaForCausalLM, with config.json,
-model.safetensors (fp32 masters) and the sentencepiece tokenizer (for the Llama also a
-tokenizer_config.json, so that AutoTokenizer loads it as a LlamaTokenizer giving megazero's ids:
-no BOS/EOS added, no prefix space).
+"""Export a GPT, BERT or Llama checkpoint (any TP/PP/DP/EP layout, any ZeRO stage) as a Hugging Face
+transformers model: GPT2LMHeadModel, BertForPreTraining, LlamaForCausalLM or, for the Llama with
+MoE layers, MixtralForCausalLM (models/hf_mixtral.py says which MoE settings map), with
+config.json, model.safetensors (fp32 masters) and the sentencepiece tokenizer (for the Llama and
+Mixtral also a tokenizer_config.json, so that AutoTokenizer loads it as a LlamaTokenizer giving
+megazero's ids: no BOS/EOS added, no prefix space). The MoE GPT has no transformers class: an error.
 
     python scripts/export_hf.py --load CKPT --out DIR [--tokenizer-model TOK.model]
 
@@ -22,7 +23,7 @@ import warnings
 from megazero.checkpoint.consolidate import consolidate_fp32_state_dict
 from megazero.checkpoint.model_files import saved_model_config, saved_model_config_dict
 from megazero.data import SentencePieceTokenizer
-from models import hf_bert, hf_llama
+from models import hf_bert, hf_llama, hf_mixtral
 from models.bert import BertConfig
 from models.gpt import GPTConfig
 from models.hf_gpt2 import hf_config_dict, to_hf_state_dict
@@ -50,10 +51,17 @@ def main(argv=None) -> str:
         hf_config = hf_bert.hf_config_dict(config, tokenizer.token_id("[PAD]"))
     elif family is LlamaConfig:
         config = saved_model_config(args.load, args.tag, config_class=LlamaConfig)
-        state = hf_llama.to_hf_state_dict(weights, config)
-        hf_config = hf_llama.hf_config_dict(config, tokenizer.sp.bos_id(), tokenizer.eod)
+        mapping = hf_llama if config.num_experts is None else hf_mixtral
+        if mapping is hf_mixtral:
+            hf_mixtral.check_exportable(config)
+        state = mapping.to_hf_state_dict(weights, config)
+        hf_config = mapping.hf_config_dict(config, tokenizer.sp.bos_id(), tokenizer.eod)
     else:
         config = saved_model_config(args.load, args.tag, config_class=GPTConfig)
+        if config.num_experts is not None:
+            raise ValueError(f"{args.load}: the GPT has MoE layers (num_experts {config.num_experts}), and "
+                             f"transformers has no GPT-2 with experts to export it as; the Llama with MoE layers "
+                             f"exports as MixtralForCausalLM")
         state = to_hf_state_dict(weights, config)
         hf_config = hf_config_dict(config, tokenizer.eod, tokenizer.eod)
     if tokenizer.vocab_size != config.vocab_size:  # ids past the embedding would fail in transformers

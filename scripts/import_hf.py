@@ -1,6 +1,7 @@
-"""Import a Hugging Face GPT-2 or Llama (a directory with config.json and model.safetensors or
-pytorch_model.bin: GPT2LMHeadModel or LlamaForCausalLM) as a megazero checkpoint, to continue
-training it at any layout.
+"""Import a Hugging Face GPT-2, Llama or Mixtral (a directory with config.json and model.safetensors
+or pytorch_model.bin: GPT2LMHeadModel, LlamaForCausalLM or MixtralForCausalLM: megazero's Llama
+with MoE layers, models/hf_mixtral.py) as a megazero checkpoint, to continue training it at any
+layout.
 
     python scripts/import_hf.py --hf-dir DIR --save CKPT_DIR [--tag global_step0]
 
@@ -17,11 +18,12 @@ import os
 import torch
 
 from megazero.checkpoint.model_files import write_weights_checkpoint
-from models import hf_gpt2, hf_llama
+from models import hf_gpt2, hf_llama, hf_mixtral
 from models.gpt import GPT
 from models.llama import Llama
 
-FAMILIES = {"gpt2": (hf_gpt2.from_hf, GPT), "llama": (hf_llama.from_hf, Llama)}  # by config.json's model_type
+FAMILIES = {"gpt2": (hf_gpt2.from_hf, GPT), "llama": (hf_llama.from_hf, Llama),  # by config.json's model_type
+            "mixtral": (hf_mixtral.from_hf, Llama)}
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

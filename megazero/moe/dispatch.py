@@ -44,7 +44,7 @@ def dispatch(x: torch.Tensor, plan: DispatchPlan, topk: int, ep_group) -> tuple[
     # the backward has no scatter-add with collisions (deterministic on GPUs too); a token's k
     # copies are summed by expand's backward
     per_assignment = x.unsqueeze(1).expand(-1, topk, -1).reshape(-1, x.shape[1])
-    rows = all_to_all(per_assignment[plan.order], recv_splits, send_splits, ep_group)
+    rows = all_to_all(per_assignment[plan.order], recv_splits, send_splits, ep_group, "dispatch")
     # received rows are source-major, expert-minor; a stable sort by expert keeps the source order
     expert_of_row = torch.arange(num_local, device=x.device).repeat(ep).repeat_interleave(received.flatten())
     regroup = torch.sort(expert_of_row, stable=True).indices
@@ -58,7 +58,7 @@ def combine(rows: torch.Tensor, weights: torch.Tensor, num_tokens: int, state: D
     outputs times its router weights [T, k], summed; dropped assignments add nothing."""
     back = torch.empty_like(state.regroup)
     back[state.regroup] = torch.arange(state.regroup.numel(), device=rows.device)
-    sent = all_to_all(rows[back], state.send_splits, state.recv_splits, state.ep_group)
+    sent = all_to_all(rows[back], state.send_splits, state.recv_splits, state.ep_group, "combine")
     order = state.plan.order
     scaled = sent * weights.reshape(-1)[order].unsqueeze(1).to(sent.dtype)
     # each assignment into its own slot (unique indices), then a fixed-order sum over the k slots:
