@@ -6,20 +6,21 @@ mode (capacity factor 1.0: it drops tokens; ZeRO 2). Then the checkpoint the EP=
 in the single process (EP=1, DP=1: experts re-cut, ZeRO partitions joined) and continues as the
 EP=2 run does.
 
-Dropout is 0 here, and must be for this claim, which is why: the engine draws dropout masks per
-micro-batch (MicroBatchStreams, keyed by step and micro-batch index), while an MoE layer at EP=2
-routes the tokens of both DP ranks' micro-batches together (capacity and the load-balancing loss
-are over the EP group's tokens). The single process that routes the same tokens together must
-take them as one micro-batch, so it draws one mask where the EP run draws two: no layout of the
-single process has both the EP run's routing and its masks. (Inside the MoE layer nothing draws
-random numbers: the experts after the all-to-all have no dropout; the block's dropout is on this
-rank's own tokens.) Dropout with MoE is covered by the recipe test, which trains with it.
+Dropout is 0 in this first comparison, as it must be with the default dropout masks: the engine
+draws them per micro-batch (MicroBatchStreams, keyed by step and micro-batch index), while an MoE
+layer at EP=2 routes the tokens of both DP ranks' micro-batches together (capacity and the
+load-balancing loss are over the EP group's tokens), so the single process that routes the same
+tokens together takes them as one micro-batch and draws one mask where the EP run draws two.
+With `dropout_masks.layout_invariant` (per-sample masks) that holds with dropout on: the
+model-parallel comparison below runs that way, as does
+tests/distributed/test_layout_invariant_dropout.py at EP=2 on DP=2.
 
 The same at EP=2 x TP=2, at EP=2 x PP=2 and at EP=2 x TP=2 with sequence parallelism (the MoE
 layers gather the sequence over TP: megazero/moe/sequence.py), and the MoE Llama (SwiGLU experts) at
 EP=2 x PP=2 (4 ranks each, EP=2 over DP=2, 2 micro-batches of
 one sample per rank, so that the 1/accumulation gradient scale of the auxiliary losses is used)
-against the single process with 2 micro-batches of 2 samples: micro-batch m of the EP group is
+with dropout 0.1 (layout-invariant masks) against the single process with 2 micro-batches of 2
+samples: micro-batch m of the EP group is
 rank 0's sample 2m then rank 1's 2m + 1, the single process's micro-batch m. At PP=2 the first
 stage's MoE layer is on a stage without the loss: its auxiliary losses train through its output
 (megazero/moe/aux_loss.py) and the step's loss and the MoE statistics cover both stages. The
@@ -43,6 +44,7 @@ from models.parallelize import parallelize
 VOCAB, SEQ, BATCH, STEPS, MORE = 64, 16, 4, 10, 2
 LOSS_RTOL, PARAM_ATOL = 1e-5, 2e-5
 MODES = {"dropless": (None, 1), "capacity": (1.0, 2)}  # mode: (capacity factor, ZeRO stage)
+DROPOUT = 0.1  # of the model-parallel layouts and their reference, with layout-invariant masks
 STATS = ("dropped_fraction", "tokens_per_expert_min", "tokens_per_expert_max")
 
 
@@ -51,25 +53,28 @@ LAYOUTS = {"ep2_tp2": (2, 1, False, "gpt"), "ep2_pp2": (1, 2, False, "gpt"), "ep
            "llama_ep2_pp2": (1, 2, False, "llama")}
 
 
-def _config(factor: float | None, tp: int = 1, sp: bool = False, model: str = "gpt") -> GPTConfig | LlamaConfig:
+def _config(factor: float | None, tp: int = 1, sp: bool = False, model: str = "gpt",
+            dropout: float = 0.0) -> GPTConfig | LlamaConfig:
     config_class = GPTConfig if model == "gpt" else LlamaConfig
     return config_class(vocab_size=VOCAB, seq_length=SEQ, num_layers=2, hidden_size=32, num_attention_heads=2,
                         make_vocab_size_divisible_by=16, num_experts=4, moe_router_topk=2, moe_capacity_factor=factor,
-                        moe_z_loss_coeff=1e-3, tensor_model_parallel_size=tp, sequence_parallel=sp)
+                        moe_z_loss_coeff=1e-3, tensor_model_parallel_size=tp, sequence_parallel=sp, dropout=dropout)
 
 
 def _engine(factor: float | None, stage: int, ep: int | None, tp: int = 1, pp: int = 1, micro: int | None = None,
-            sp: bool = False, model: str = "gpt"):
+            sp: bool = False, model: str = "gpt", dropout: float = 0.0):
     """ep None: the single process without a grid; else the grid with that EP (and TP, PP) size over
-    the world. micro: samples per micro-batch (default: the global batch over DP, one micro-batch)."""
+    the world. micro: samples per micro-batch (default: the global batch over DP, one micro-batch).
+    dropout > 0: with layout-invariant masks (per sample and head), which every layout draws alike."""
     grid = parallel_state.initialize_model_parallel(tp, pp, ep) if ep is not None else None
     torch.manual_seed(0)  # every layout builds the same model
-    model = parallelize(_config(factor, tp, sp, model), grid)
+    model = parallelize(_config(factor, tp, sp, model, dropout), grid)
     dp = grid.data_parallel_size if grid is not None else 1
     config = {"train_batch_size": BATCH, "train_micro_batch_size_per_gpu": micro or BATCH // dp,
               "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}},
               "gradient_clipping": 1.0, "steps_per_print": 1000,
-              "zero_optimization": {"stage": stage, "reduce_bucket_size": 5000}}  # several buckets
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": 5000},  # several buckets
+              "dropout_masks": {"layout_invariant": dropout > 0}}
     engine, *_ = megazero.initialize(model=model, config=config, mpu=parallel_state if grid is not None else None)
     return engine
 
@@ -168,7 +173,7 @@ def run_model_parallel_layouts(save_dir: str) -> dict:
     out = {}
     for layout, (tp, pp, sp, model) in LAYOUTS.items():
         for mode, (factor, stage) in MODES.items():
-            engine = _engine(factor, stage, 2, tp, pp, micro=1, sp=sp, model=model)
+            engine = _engine(factor, stage, 2, tp, pp, micro=1, sp=sp, model=model, dropout=DROPOUT)
             out[layout, mode] = run = _train_batches(engine, STEPS)
             if pp > 1 and model == "gpt":
                 engine.save_checkpoint(f"{save_dir}/{layout}-{mode}", "ep2pp2")
@@ -182,9 +187,9 @@ def run_single_process_accumulating(save_dir: str) -> dict:
     Llama's 10 steps under ("llama", mode)."""
     out = {}
     for mode, (factor, stage) in MODES.items():
-        out["llama", mode] = _train_batches(_engine(factor, 0, None, micro=2, model="llama"), STEPS)
-        out[mode] = _train_batches(_engine(factor, 0, None, micro=2), STEPS)
-        loaded = _engine(factor, stage, None, micro=2)
+        out["llama", mode] = _train_batches(_engine(factor, 0, None, micro=2, model="llama", dropout=DROPOUT), STEPS)
+        out[mode] = _train_batches(_engine(factor, 0, None, micro=2, dropout=DROPOUT), STEPS)
+        loaded = _engine(factor, stage, None, micro=2, dropout=DROPOUT)
         loaded.load_checkpoint(f"{save_dir}/ep2_pp2-{mode}", "ep2pp2")
         assert loaded.global_steps == STEPS
         out[mode]["next"] = _train_batches(loaded, MORE, start=STEPS)
