@@ -41,8 +41,8 @@ SchedulerType=sched/backfill
 # eligible (a requeued one) waits up to sched_interval=60 s for the main loop or bf_interval=30 s
 SchedulerParameters=sched_interval=1,bf_interval=1
 # a requeued job may start only once its old credentials expire (cred_expire + 1 s; 120 s by
-# default, 5 at least); 20 s still covers a step launch on a loaded 2-core machine
-AuthInfo=cred_expire=20
+# default, 5 at least); 10 s still covers a step launch on a loaded 2-core machine
+AuthInfo=cred_expire=10
 ReturnToService=2
 EnforcePartLimits=ALL
 MinJobAge=3600
