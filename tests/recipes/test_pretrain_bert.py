@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, wait_for_data_prep
 from tests.recipes.test_blended_recipe import _script
 from tests.recipes.test_pretrain_gpt import _scalars
 
@@ -22,6 +22,7 @@ BERT_PREFIX = os.path.join(REPO, "data", "bert", "shakespeare")
 
 @pytest.fixture(scope="module")
 def bert_prefix() -> str:
+    wait_for_data_prep()
     if not os.path.exists(BERT_PREFIX + "_train_text_sentence.idx"):
         subprocess.run(["make", "-C", REPO, "data-bert", f"PYTHON={sys.executable}"], check=True)
     return BERT_PREFIX

@@ -31,7 +31,8 @@ LOSS_RTOL = 1e-5  # fp32; the layouts differ only in the order of sums
 pytestmark = pytest.mark.slow
 
 
-def _recipe(corpus_prefix: str, tmp_path, name: str, iters: int, extra: tuple[str, ...]) -> str:
+def _start(corpus_prefix: str, tmp_path, name: str, iters: int, extra: tuple[str, ...]) -> subprocess.Popen:
+    """The recipe under torchrun on 2 ranks, started (TensorBoard events in tmp_path/name/tb)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            os.path.join(REPO, "scripts", "pretrain_gpt.py"), "--data-path", corpus_prefix,
            "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
@@ -39,9 +40,23 @@ def _recipe(corpus_prefix: str, tmp_path, name: str, iters: int, extra: tuple[st
            "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1", "--save-interval", "4",
            "--tensorboard-dir", str(tmp_path / name / "tb"), "--peak-flops", "1e11", "--sample-tokens", "4", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=str(tmp_path))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc.stdout + proc.stderr
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            cwd=str(tmp_path))
+
+
+def _finish(proc: subprocess.Popen) -> str:
+    """Wait for a run of _start; it must succeed. Its output."""
+    try:
+        out, err = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    assert proc.returncode == 0, out[-3000:] + err[-5000:]
+    return out + err
+
+
+def _recipe(corpus_prefix: str, tmp_path, name: str, iters: int, extra: tuple[str, ...]) -> str:
+    return _finish(_start(corpus_prefix, tmp_path, name, iters, extra))
 
 
 def _losses(tmp_path, name: str) -> dict[int, float]:
@@ -71,8 +86,17 @@ def test_recipe_continues_at_other_layouts_where_the_vocabulary_pads_differently
     layouts = [("tp2", ("--tensor-model-parallel-size", "2")), ("pp2", ("--pipeline-model-parallel-size", "2")),
                ("dp2_zero2", ("--deepspeed_config", _zero2_config(tmp_path)))]
     banners = {"tp2": "TP 2 x PP 1 x DP 1", "pp2": "TP 1 x PP 2 x DP 1", "dp2_zero2": "TP 1 x PP 1 x DP 2"}
-    for name, flags in layouts:
-        out = _recipe(corpus_prefix, tmp_path, name, 8, ("--load", ckpt, *flags))
+    # the continuations only read the checkpoint: they run at once (one launch leaves the 2 cores
+    # idle part of the time: start-up of torchrun's agent, rendezvous, collectives)
+    runs = {name: _start(corpus_prefix, tmp_path, name, 8, ("--load", ckpt, *flags)) for name, flags in layouts}
+    try:
+        outputs = {name: _finish(proc) for name, proc in runs.items()}
+    finally:
+        for proc in runs.values():
+            if proc.poll() is None:  # a peer failed: not left running
+                proc.kill()
+                proc.communicate()
+    for name, out in outputs.items():
         assert banners[name] in out and "resumed from" in out and "at iteration 4" in out, out[-3000:]
         # the run ends validated, also pipelined (the last stage computes the loss)
         assert re.search(r"validation at iteration 8 \| lm loss: [0-9.]+", out), out[-3000:]

@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 
-from tests.conftest import REPO
+from tests.conftest import REPO, wait_for_data_prep
 
 # every file in scripts/ that `sbatch` or `bash` runs (test_every_launcher_is_tested keeps the two
 # complete): LAUNCHERS train a recipe (TINY_FLAGS), DATA_LAUNCHERS write datasets
@@ -51,6 +51,7 @@ def user_env(overrides: dict[str, str], outside_slurm: bool = False) -> dict[str
 
 def ensure_data(launcher: str) -> None:
     """The dataset the launcher's default DATA_PATH names, made by `make data` / `make data-bert`."""
+    wait_for_data_prep()
     target, stamp = (("data-bert", BERT_PREFIX + "_train_text_sentence.idx") if "bert" in launcher else
                      ("data", os.path.join(REPO, "data", "gpt2", "shakespeare_train_text_document.idx")))
     if not os.path.exists(stamp):
