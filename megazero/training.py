@@ -154,13 +154,17 @@ def add_moe_arguments(parser: argparse.ArgumentParser) -> None:
                    help="each expert keeps at most factor x tokens x topk / experts routings (default: dropless)")
     g.add_argument("--moe-aux-loss-coeff", type=float, help="load-balancing loss weight (default: the config's, 0.01)")
     g.add_argument("--moe-z-loss-coeff", type=float, help="router z-loss weight (default: the config's, 0)")
+    g.add_argument("--moe-router-score-order", choices=("softmax_topk", "topk_softmax"),
+                   help="softmax over all experts then top-k (default: the config's, softmax_topk), or softmax over "
+                        "the top-k logits (Megatron's default; Mixtral's routing, which export_hf needs)")
 
 
 def moe_overrides(args: argparse.Namespace) -> dict:
     """The model-config fields add_moe_arguments' flags set (None keeps the JSON's)."""
     return {"num_experts": args.num_experts, "moe_router_topk": args.moe_router_topk,
             "moe_layer_freq": args.moe_layer_freq, "moe_capacity_factor": args.moe_capacity_factor,
-            "moe_aux_loss_coeff": args.moe_aux_loss_coeff, "moe_z_loss_coeff": args.moe_z_loss_coeff}
+            "moe_aux_loss_coeff": args.moe_aux_loss_coeff, "moe_z_loss_coeff": args.moe_z_loss_coeff,
+            "moe_router_score_order": args.moe_router_score_order}
 
 
 def model_overrides(args: argparse.Namespace) -> dict:
