@@ -9,10 +9,13 @@ under zero.Init, as a user would for a model that does not fit one rank; zero3-n
 zero.Init straight into swap files (offload_param and offload_optimizer nvme, --swap-dir), so no
 rank ever holds it. --max-layers caps the search (a capped result is a lower bound, and says so)
 and --coarse stops bisecting once the bracket is within that fraction, so the search stays cheap.
+--layers tries the given layer counts only (each a full try, in order, stopping at the first that
+does not fit) instead of searching: a try of a large offloaded model takes many minutes.
 The step time (forward, backward, optimizer step) of the largest try is reported. Writes
 benchmarks/results/largest_model.json.
 
     python benchmarks/largest_model.py --limit-gib 4 --hidden 1024 --kinds ddp zero3 zero3-nvme
+    python benchmarks/largest_model.py --limit-gib 4 --hidden 1024 --kinds zero3-nvme --layers 136 192 --timeout 3600
 """
 
 from __future__ import annotations
@@ -161,6 +164,21 @@ def largest(kind: str, args, guess: int) -> tuple[int, float | None, bool]:
     return lo, step, False
 
 
+def tried_only(kind: str, args) -> tuple[int, float | None, bool]:
+    """--layers: (the largest of args.layers that fits, its step seconds, True: a lower bound)."""
+    best, step = 0, None
+    for layers in args.layers:
+        start = time.perf_counter()
+        seconds = fits(kind, layers, args)
+        print(f"  {kind}: {layers} layers: {'fits' if seconds is not None else 'does not fit'}"
+              f"{f', step {seconds:.1f} s' if seconds is not None else ''} (try {time.perf_counter() - start:.0f} s, "
+              f"load average {os.getloadavg()[0]:.1f})", flush=True)
+        if seconds is None:
+            break
+        best, step = layers, seconds
+    return best, step, True
+
+
 # per-parameter bytes each kind's first guess assumes (from the memory estimate)
 KINDS = {"ddp": lambda: estimate_zero_memory(1, 2, 0, "fp32", "adamw")["total"],
          "zero3": lambda: estimate_zero_memory(1, 2, 3, "fp32", "adamw")["total"],
@@ -180,6 +198,8 @@ def main() -> None:
                         help="stop bisecting once the bracket is within this fraction of the largest that fits")
     parser.add_argument("--swap-dir", default=os.path.join(REPO, "data", "swap"),
                         help="zero3-nvme: offload_param/offload_optimizer nvme_path (a local disk)")
+    parser.add_argument("--layers", type=int, nargs="+", default=None,
+                        help="try only these layer counts, in order, up to the first that does not fit (no search)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per try")
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "largest_model.json"))
     args = parser.parse_args()
@@ -196,7 +216,7 @@ def main() -> None:
     for kind in args.kinds:
         per_param = KINDS[kind]()
         guess = int(budget / per_param / per_layer)
-        layers, step, capped = largest(kind, args, guess)
+        layers, step, capped = largest(kind, args, guess) if args.layers is None else tried_only(kind, args)
         with torch.device("meta"):
             params = GPT(gpt_config(max(layers, 1), args)).num_parameters() if layers else 0
         rows[kind] = {"layers": layers, "params": params, "step_s": step, "capped": capped}

@@ -7,7 +7,8 @@
 
 The model family is the one whose config has every key of the JSON (GPT-2's first; a Llama
 config names num_query_groups). With --offload-optimizer nvme, stages 1-3 keep the masters and
-optimizer states on disk (the "disk GiB" column) and only the sub-group buffers in memory. With
+optimizer states on disk (the "disk GiB" column) and only the sub-group buffers in memory; stages
+2-3 the reduced gradients too (memory: the step's read and backward's write buffers). With
 --offload-param nvme (stage 3 only) the partitioned parameters are on disk too, and memory keeps
 the persistent parameters (--persistent-params elements, 0 if not given) and at most --max-in-cpu
 cached partition elements.

@@ -12,6 +12,9 @@ model, whose own (partitioned) parameters are the masters):
 | 2 | p Psi | 4 Psi/N (+ staging buckets while reducing) | (k + m) Psi/N |
 | 3 | p Psi/N (+ the gathered layer while in use) | 4 Psi/N (+ staging) | (k + m) Psi/N |
 
+With offload_optimizer nvme the optimizer column and (stages 2-3) the gradient column go to disk,
+with offload_param nvme (stage 3) the parameter column: memory keeps bounded buffers (below).
+
 For comparison, the ZeRO paper (mixed-precision Adam, fp16 gradients): 16 Psi, 4 Psi + 12 Psi/N,
 2 Psi + 14 Psi/N, 16 Psi/N. Gradients are kept in fp32 here (exact accumulation over micro-steps).
 Partitioned sizes include the padding of each bucket to a multiple of N.
@@ -24,6 +27,7 @@ import os
 import torch
 
 SWAP_HEADER_BYTES = 4096  # megazero.zero.swap.HEADER_BYTES (not imported: profiling stays light)
+GRAD_ALIGN_ELEMENTS = 1024  # megazero.zero.grad_swap.ALIGN_ELEMENTS: each gradient chunk's region in its file
 OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "lamb": 8, "sgd": 4, "sgd_no_momentum": 0}
 
 
@@ -40,7 +44,11 @@ def estimate_zero_memory(model_or_num_params, num_ranks: int, stage: int, precis
     to the swap files, (k + m) Psi/N bytes of disk; memory keeps min(buffer_count, sub-groups)
     sub-group buffers of (k + m) bytes per sub-group element (a sub-group: as many whole master
     chunks, reduce_bucket_size/N elements each, as fit in sub_group_size; one when a chunk is
-    larger; at most this rank's whole partition). "cpu" on a
+    larger; at most this rank's whole partition). At stages 2 and 3 the reduced fp32 gradient
+    partition goes to the swap files too (4 Psi/N bytes of disk, each master chunk's region padded
+    to 4 KiB): memory keeps the step's read buffers, min(buffer_count, sub-groups) of 4 bytes per
+    sub-group element, and backward's write buffers, min(buffer_count, chunks) of one chunk each
+    (stage 1's reduced chunks are views of its full gradient buffer and stay). "cpu" on a
     CPU-only machine is the in-memory path (host memory on a GPU: the same bytes, on the host).
 
     offload_param "nvme" (stage 3): the partitions of the partitioned parameters go to swap files,
@@ -84,7 +92,12 @@ def estimate_zero_memory(model_or_num_params, num_ranks: int, stage: int, precis
         partition = psi / n
         chunk = min(reduce_bucket_size / n, partition)
         group = min(max(chunk, (sub_group_size // chunk) * chunk), partition)
-        optim = min(buffer_count, max(1, -(-int(partition) // int(group)))) * per_param * group
+        buffers = min(buffer_count, max(1, -(-int(partition) // int(group))))
+        optim = buffers * per_param * group
+        if stage >= 2:  # the gradient partition on disk; read buffers of the step, write buffers of backward
+            chunks = max(1, -(-int(partition) // int(chunk)))
+            disk += 4 * (partition + chunks * GRAD_ALIGN_ELEMENTS / 2)  # (half a block of padding per chunk)
+            grads = buffers * 4 * group + min(buffer_count, chunks) * 4 * chunk
     elif offload_optimizer not in ("none", "cpu"):
         raise ValueError(f"offload_optimizer must be none, cpu or nvme, got {offload_optimizer!r}")
     return {"parameters": params, "gradients": grads, "optimizer_states": optim, "total": params + grads + optim,

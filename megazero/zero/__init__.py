@@ -33,7 +33,8 @@ def build_data_parallel_state(config: ZeroConfig, model: torch.nn.Module, groups
         return ShardedState(model, groups, dp_group, config.stage3_param_persistence_threshold,
                             config.stage3_prefetch_bucket_size, config.reduce_bucket_size, config.overlap_comm,
                             config.stage3_module_granularity_threshold, param_swap,
-                            defer_masters=param_swap is not None and config.offload_optimizer.device == "nvme")
+                            defer_masters=param_swap is not None and config.offload_optimizer.device == "nvme",
+                            swap_grads=config.offload_optimizer.device == "nvme")
     return PartitionedState(groups, dp_group, config.reduce_bucket_size, config.overlap_comm, config.stage, isolate)
 
 

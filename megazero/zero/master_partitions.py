@@ -13,7 +13,9 @@ from megazero.distributed import all_reduce_sum
 class MasterPartitions:
     """Mixin over `self.parts` (and `self.group`). Each part has `.masters`, the fp32 Parameters the
     optimizer updates (this rank's chunks), `.grad_views`, their reduced fp32 gradients, and
-    `.layout`; in the optimizer, the masters of all parts follow one another in `self.parts` order."""
+    `.layout`; in the optimizer, the masters of all parts follow one another in `self.parts` order.
+    A part whose `.grad_sink` is set (optimizer offload to nvme) has its reduced gradients in swap
+    files instead (megazero.zero.grad_swap): the state wrapping it answers for them."""
 
     parts: list
     group: object
@@ -89,6 +91,15 @@ class MasterPartitions:
             if masters:
                 out.append({**g, "params": masters})
         return out
+
+
+def add_reduced_gradient(part, index: int, reduced: torch.Tensor) -> None:
+    """Add this rank's reduced chunk of layout bucket `index` into `part`'s gradient partition, or
+    hand it to the part's `grad_sink` (megazero.zero.grad_swap) when the partition is swapped."""
+    if part.grad_sink is None:
+        part.grad_views[index].add_(reduced)
+    else:
+        part.grad_sink.add(part, index, reduced)
 
 
 def master_partition(part) -> torch.Tensor:

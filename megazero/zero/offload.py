@@ -12,6 +12,12 @@ off the model's memory:
   sub-group and the 16-bit parameters copied back. On a CPU-only machine `device: cpu` is the
   in-memory path itself (build_offload returns the state unchanged: nothing is copied twice).
 
+With device nvme at stages 2 and 3 (on the CPU) the reduced fp32 gradient partitions go to swap
+files too, as each bucket's reduce-scatter completes (megazero.zero.grad_swap, as DeepSpeed swaps
+them): their norm and inf/nan check are taken as they are written, accumulation over micro-steps
+reads, adds and writes each chunk, and the step reads each sub-group's gradients with its masters
+and moments. Stage 1's reduced chunks are views of its full gradient buffer and stay there.
+
 The step is the same arithmetic as the in-memory one, bit for bit: the same optimizer runs on the
 same master tensors with the same hyper-parameters, only fewer of them at a time (optimizers skip
 masters without a gradient; every per-tensor quantity, e.g. Lamb's trust ratio, sees whole
@@ -23,11 +29,14 @@ optimizer states are made resident for the save or load), so they load with offl
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 import torch.distributed as dist
 
+from megazero.distributed import all_reduce_sum
 from megazero.optim.protocol import GradScaleTaker, takes_grad_scale, writes_copies
+from megazero.zero.grad_swap import GradSwapper, drop_grad_partition
 from megazero.zero.swap import SwapDirectory, SwapFiles, new_run_id
 
 ALIGN_ELEMENTS = 1024  # 4 KiB of fp32: each kind's region of a sub-group buffer stays block-aligned
@@ -126,6 +135,19 @@ class OffloadedState:
             rank = dist.get_rank() if dist.is_initialized() else 0
             self.files = SwapFiles(SwapDirectory(nvme_path, _agreed_run_id(group), rank), AsyncIO(**aio_config))
             self._swap_out_all(write=True)
+        self.grads: GradSwapper | None = None  # the gradient partitions in swap files (stages 2 and 3)
+        self._grad_slots: list[torch.Tensor] = []
+        from megazero.zero.partitioned import PartitionedState
+        from megazero.zero.sharded import ShardedState
+
+        if device == "nvme" and not on_gpu and isinstance(inner, (PartitionedState, ShardedState)) \
+                and inner.stage in (2, 3):
+            self.grads = GradSwapper(self.files, self.groups, inner.parts, buffer_count)
+            for part in inner.parts:
+                if part.grad_views and part.grad_views[0].device.type != "meta":  # (stage 3 never made them)
+                    drop_grad_partition(part)
+                # weakly: the model (whose parameters reach stage 3's shards) may outlive the state
+                part.grad_sink = weakref.proxy(self.grads)
 
     # ---- placement -------------------------------------------------------------------------------
     def _masters_to_host(self) -> None:
@@ -269,6 +291,7 @@ class OffloadedState:
         n, k = len(self.groups), max(1, min(self.buffer_count, len(self.groups)))
         size = len(self.kinds) * max((sg.padded for sg in self.groups), default=0)
         reads: dict[int, int | None] = {}
+        grad_reads: dict[int, tuple[list[torch.Tensor], list[int]]] = {}
         writes: dict[int, int] = {}
         cast: dict[int, int] = {}  # id(part) -> its masters cast into its parameter partition so far
 
@@ -281,6 +304,8 @@ class OffloadedState:
             buffer = self._slot(i % k, size)
             reads[i] = (self.files.submit_read(sg.name, buffer[:sg.kinds_saved * sg.padded])
                         if sg.kinds_saved else None)
+            if self.grads is not None:  # its gradients beside its masters and moments
+                grad_reads[i] = self.grads.submit_reads(sg, self._grad_slot(i % k, sg.grad_padded))
 
         for i, sg in enumerate(self.groups):
             start_read(i)
@@ -291,7 +316,15 @@ class OffloadedState:
                 if request is not None:
                     self.files.wait(request)
                 self._bind(sg, self._slots[i % k], sg.kinds_saved)
-            self._step_sub_group(optimizer, sg, grad_scale)
+            grads = None
+            if self.grads is not None:
+                grads, requests = grad_reads.pop(i)
+                for request in requests:
+                    self.files.wait(request)
+                for factor in self.grads.factors:  # scale_gradients(), as in memory: one pass per factor
+                    for g in grads:
+                        g.mul_(factor)
+            self._step_sub_group(optimizer, sg, grad_scale, grads)
             if self._casts_params and not self.copies:
                 self._cast_into_params(sg, cast)
             if self.files is not None:
@@ -320,9 +353,18 @@ class OffloadedState:
                 if done == len(part.masters) and part.swap is not None:
                     part.swap.write_back(part)
 
-    def _step_sub_group(self, optimizer: torch.optim.Optimizer, sg: _SubGroup, grad_scale) -> None:
-        host_grads = [g if g.device.type == "cpu" else g.to("cpu", non_blocking=True) for g in sg.grads]
-        if any(g.device.type != "cpu" for g in sg.grads):
+    def _grad_slot(self, index: int, numel: int) -> torch.Tensor:
+        while len(self._grad_slots) <= index:
+            self._grad_slots.append(torch.empty(0))
+        if self._grad_slots[index].numel() < numel:
+            self._grad_slots[index] = _aligned(numel, self.pin)
+        return self._grad_slots[index]
+
+    def _step_sub_group(self, optimizer: torch.optim.Optimizer, sg: _SubGroup, grad_scale,
+                        grads: list[torch.Tensor] | None = None) -> None:
+        grads = sg.grads if grads is None else grads  # (read from the swap files)
+        host_grads = [g if g.device.type == "cpu" else g.to("cpu", non_blocking=True) for g in grads]
+        if any(g.device.type != "cpu" for g in grads):
             torch.cuda.synchronize()
         for master, grad in zip(sg.masters, host_grads):
             master.grad = grad
@@ -372,24 +414,37 @@ class OffloadedState:
         self.inner.after_backward(boundary)
 
     def reduce_gradients(self) -> None:
-        """As the wrapped state."""
+        """As the wrapped state; swapped gradients: their writes are waited for."""
         self.inner.reduce_gradients()
+        if self.grads is not None:
+            self.grads.flush()
 
     def grad_norm(self, counted=None, model_parallel_group=None) -> float:
-        """As the wrapped state (gradients stay where they were reduced)."""
-        return self.inner.grad_norm(counted, model_parallel_group)
+        """As the wrapped state (swapped gradients: from the norms taken as they were written)."""
+        if self.grads is None:
+            return self.inner.grad_norm(counted, model_parallel_group)
+        total = self.grads.norm_squared(self.inner.group, counted)
+        if model_parallel_group is not None:
+            total = all_reduce_sum(total, group=model_parallel_group)
+        return total.item() ** 0.5
 
     def nonfinite_params(self) -> list[torch.nn.Parameter]:
-        """As the wrapped state."""
-        return self.inner.nonfinite_params()
+        """As the wrapped state (swapped gradients: as noted when they were written)."""
+        return self.inner.nonfinite_params() if self.grads is None else self.grads.nonfinite_params()
 
     def sync_grads(self, params: list[torch.nn.Parameter], group) -> None:
-        """As the wrapped state."""
-        self.inner.sync_grads(params, group)
+        """As the wrapped state (swapped gradients: read, summed, written back)."""
+        if self.grads is None:
+            self.inner.sync_grads(params, group)
+        else:
+            self.grads.sync_grads(params, group)
 
     def scale_gradients(self, factor: float) -> None:
-        """As the wrapped state."""
-        self.inner.scale_gradients(factor)
+        """As the wrapped state (swapped gradients: applied as each sub-group is read for the step)."""
+        if self.grads is None:
+            self.inner.scale_gradients(factor)
+        else:
+            self.grads.factors.append(factor)
 
     def attach_grads(self) -> None:
         """Nothing: each sub-group's gradients are attached while it steps."""
@@ -418,17 +473,22 @@ class OffloadedState:
             self.inner.reset_masters()
 
     def start_window(self) -> None:
-        """As the wrapped state."""
+        """As the wrapped state (swapped gradients: every chunk reads as zero again)."""
         self.inner.start_window()
+        if self.grads is not None:
+            self.grads.start_window()
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """The wrapped state's tensors (its swapped-out masters are empty) and the sub-group buffers."""
+        """The wrapped state's tensors (its swapped-out masters are empty) and the sub-group buffers
+        (gradients: the read buffers of the step and the write buffers of backward, when swapped)."""
         held = self.inner.memory_tensors()
         held["optimizer"] = list(held["optimizer"]) + list(self._slots)
+        if self.grads is not None:
+            held["gradients"] = list(held["gradients"]) + list(self._grad_slots) + self.grads.buffers()
         return held
 
     def disk_bytes(self) -> int:
-        """Bytes of this rank's swap files."""
+        """Bytes of this rank's swap files (masters, optimizer states and, when swapped, gradients)."""
         return self.files.disk_bytes() if self.files is not None else 0
 
     def parameter_shapes(self) -> dict[int, torch.Size]:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from megazero.zero.buckets import BucketedGradients, InflightLimit
 from megazero.zero.collectives import Handle, all_gather_chunks, reduce_scatter_chunks
 from megazero.zero.layout import Bucket, FlatLayout
-from megazero.zero.master_partitions import MasterPartitions
+from megazero.zero.master_partitions import MasterPartitions, add_reduced_gradient
 from megazero.zero.partition_checkpoint import PartitionCheckpoint
 
 
@@ -60,13 +60,14 @@ class _GroupPartition:
         else:
             self.grad_partition = torch.zeros(self.layout.partition_numel, dtype=torch.float32, device=device)
             self.grad_views = self.layout.split_partition(self.grad_partition)
+        self.grad_sink = None  # stage 2 with optimizer offload to nvme: megazero.zero.grad_swap
 
     def _reduce_scatter(self, bucket: Bucket, tensor: torch.Tensor) -> Handle:
         inner = reduce_scatter_chunks(tensor, self.group, f"gradient bucket {bucket.index}")
         if self.stage == 1:  # the reduced chunk is already where the master's gradient view points
             return inner
         mine = tensor.view(self.world_size, -1)[self.rank]
-        return Handle([inner], lambda: self.grad_views[bucket.index].add_(mine))
+        return Handle([inner], lambda: add_reduced_gradient(self, bucket.index, mine))
 
     def copy_targets(self) -> dict[int, torch.Tensor]:
         """{id(master chunk): this rank's 16-bit chunk of the flat parameters} (empty when aliased)."""

@@ -26,6 +26,7 @@ import torch
 from megazero.zero.buckets import InflightLimit
 from megazero.zero.collectives import Handle, reduce_scatter_chunks
 from megazero.zero.layout import Bucket
+from megazero.zero.master_partitions import add_reduced_gradient
 
 
 @dataclass
@@ -148,7 +149,7 @@ class ShardedGradients:
         def add_into_partitions() -> None:
             for piece in rb.pieces:
                 chunk = piece.bucket.chunk(self.world_size)
-                piece.shard.grad_views[piece.bucket.index].add_(mine[piece.column:piece.column + chunk])
+                add_reduced_gradient(piece.shard, piece.bucket.index, mine[piece.column:piece.column + chunk])
 
         handle = Handle([inner], add_into_partitions)
         self._handles[rb.index] = handle

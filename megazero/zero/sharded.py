@@ -16,9 +16,10 @@ step has shown the order the units run in, the next unit's gather is started whi
 computes (forward: the next unit; backward: the previous one), for units up to
 `stage3_prefetch_bucket_size` elements. After the optimizer step only the shards change: the next
 forward gathers anew (persistent shards are all-gathered right away, coalesced: `megazero.zero.persistent`).
-With parameter offload (`megazero.zero.param_offload`) the non-persistent partitions live in swap
-files: start_gather() reads the partition back before gathering it, and it is dropped once
-gathered (within max_in_cpu).
+With optimizer offload to nvme (`swap_grads`) the gradient partitions are never allocated: each
+reduced chunk goes to a swap file (`megazero.zero.grad_swap`). With parameter offload
+(`megazero.zero.param_offload`) the non-persistent partitions live in swap files: start_gather()
+reads the partition back before gathering it, and it is dropped once gathered (within max_in_cpu).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch.distributed as dist
 from megazero.zero.buckets import InflightLimit
 from megazero.zero.collectives import Handle, all_gather_chunks
 from megazero.zero.fetch import UnitFetcher
+from megazero.zero.grad_swap import drop_grad_partition
 from megazero.zero.init import GatheredParameters, materialize_init_shard
 from megazero.zero.layout import FlatLayout
 from megazero.zero.master_partitions import MasterPartitions
@@ -48,7 +50,7 @@ class _Shard:
     master weights and of the gradients, over a FlatLayout cut into buckets of `bucket_numel`."""
 
     def __init__(self, params: list[torch.nn.Parameter], group_index: int, group, persistent: bool,
-                 bucket_numel: int):
+                 bucket_numel: int, swap_grads: bool = False):
         self.group_index = group_index
         self.group = group
         self.world_size = dist.get_world_size(group)
@@ -66,8 +68,12 @@ class _Shard:
         self.aliased = self.dtype == torch.float32
         self.master_flat = self.shard if self.aliased else self.shard.float()
         self.masters = [torch.nn.Parameter(v) for v in self.layout.split_partition(self.master_flat)]
-        self.grad_partition = torch.zeros(self.layout.partition_numel, dtype=torch.float32, device=self.device)
-        self.grad_views = self.layout.split_partition(self.grad_partition)
+        self.grad_sink = None  # set with optimizer offload to nvme (megazero.zero.grad_swap)
+        if swap_grads and self.device.type == "cpu":  # never allocated: the reduced chunks go to swap files
+            drop_grad_partition(self)
+        else:
+            self.grad_partition = torch.zeros(self.layout.partition_numel, dtype=torch.float32, device=self.device)
+            self.grad_views = self.layout.split_partition(self.grad_partition)
         self.full: torch.Tensor | None = None
         self.swap = None  # a ParamSwapper when the partition lives in a swap file (param offload)
         self.master_deferred = False  # see separate_master()
@@ -158,7 +164,7 @@ class ShardedState(MasterPartitions, PartitionCheckpoint):
     def __init__(self, model: torch.nn.Module, groups: list[list[torch.nn.Parameter]], group,
                  persistence_threshold: int, prefetch_numel: int = 50_000_000,
                  bucket_numel: int = 500_000_000, overlap: bool = True, granularity_threshold: int = 0,
-                 param_swap=None, defer_masters: bool = False):
+                 param_swap=None, defer_masters: bool = False, swap_grads: bool = False):
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.bucket_numel = bucket_numel
@@ -178,7 +184,7 @@ class ShardedState(MasterPartitions, PartitionCheckpoint):
                 split = [p for p in mine if p.numel() >= persistence_threshold]
                 for persistent, these in ((True, whole), (False, split)):
                     if these:
-                        shards.append(_Shard(these, gi, group, persistent, bucket_numel))
+                        shards.append(_Shard(these, gi, group, persistent, bucket_numel, swap_grads))
             if not shards:
                 continue  # parameters outside the optimizer's groups (frozen): left as they are
             if param_swap is not None:

@@ -7,6 +7,8 @@ to be reused for parameter offload.
     request = files.submit_write("name", tensor)          # whole tensor -> file "name.swp"
     files.wait(request)
     files.wait(files.submit_read("name", into))           # into: same byte size as last written
+    files.submit_write_part("name", piece, offset, file_bytes)   # a file written piece by piece
+    files.submit_read_part("name", into, offset)
     files.close()                                         # removes the directory (also at exit, GC)
 
 Every file starts with a header block (magic, run id, rank, name, bytes); data starts at
@@ -133,9 +135,7 @@ class SwapFiles:
                            "bytes": nbytes}).encode()
         return (MAGIC + meta).ljust(HEADER_BYTES, b"\0")
 
-    def submit_write(self, name: str, tensor: torch.Tensor) -> int:
-        """Start writing `tensor` (contiguous, CPU) as the whole content of file `name`."""
-        nbytes = tensor.numel() * tensor.element_size()
+    def _header_for(self, name: str, nbytes: int) -> None:
         if self._written.get(name) != nbytes:  # a new file, or a new size: a new header
             fd = os.open(self.directory.file(name), os.O_WRONLY | os.O_CREAT, 0o600)
             try:
@@ -143,8 +143,36 @@ class SwapFiles:
             finally:
                 os.close(fd)
             self._written[name] = nbytes
+
+    def submit_write(self, name: str, tensor: torch.Tensor) -> int:
+        """Start writing `tensor` (contiguous, CPU) as the whole content of file `name`."""
+        nbytes = tensor.numel() * tensor.element_size()
+        self._header_for(name, nbytes)
         self.bytes_written += nbytes
         return self.aio.submit_write(tensor, self.directory.file(name), HEADER_BYTES)
+
+    def submit_write_part(self, name: str, tensor: torch.Tensor, offset: int, file_bytes: int) -> int:
+        """Start writing `tensor` (contiguous, CPU) at byte `offset` of the content of file `name`, a
+        file of `file_bytes` written piece by piece (and read back by submit_read_part)."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if offset < 0 or offset + nbytes > file_bytes:
+            raise ValueError(f"{self.directory.file(name)}: a write of {nbytes} bytes at {offset} does not fit "
+                             f"its {file_bytes} bytes")
+        self._header_for(name, file_bytes)
+        self.bytes_written += nbytes
+        return self.aio.submit_write(tensor, self.directory.file(name), HEADER_BYTES + offset)
+
+    def submit_read_part(self, name: str, tensor: torch.Tensor, offset: int, check: bool = True) -> int:
+        """Start reading `tensor`'s bytes from byte `offset` of file `name`'s content (a piece this
+        run wrote by submit_write_part); `check`: verify the header first (see check())."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if check:
+            self.check(name, self._written.get(name, -1))
+        if offset < 0 or offset + nbytes > self._written[name]:
+            raise ValueError(f"{self.directory.file(name)}: a read of {nbytes} bytes at {offset} is outside its "
+                             f"{self._written[name]} bytes")
+        self.bytes_read += nbytes
+        return self.aio.submit_read(tensor, self.directory.file(name), HEADER_BYTES + offset)
 
     def check(self, name: str, nbytes: int) -> None:
         """Raise StaleSwapError unless file `name` is this run's, holding `nbytes` written by us."""

@@ -99,7 +99,36 @@ def _device_cpu_and_accounting(prefix: str, tmp: str) -> dict:
                                     reduce_bucket_size=20000)
     out["disk"] = (engine.dp.disk_bytes(), estimate["disk"])
     out["buffers"] = (tensor_bytes(held["optimizer"]), estimate["optimizer_states"])
+    # the gradient partitions are on disk: memory holds the step's read and backward's write buffers
+    out["gradient buffers"] = (tensor_bytes(held["gradients"]), estimate["gradients"])
+    out["accumulated by read-add-write"] = engine.dp.grads.reads_for_accumulation > 0
     engine.dp.close()
+    out["nonfinite"] = _nonfinite_names(prefix, tmp)
+    return out
+
+
+def _nonfinite_names(prefix: str, tmp: str) -> list[list[str]]:
+    """The parameters each state names for an inf in one gradient, and its global norm: in memory,
+    then with the gradients swapped (noted as they were written)."""
+    out = []
+    for offload in (None, {"device": "nvme", "nvme_path": os.path.join(tmp, "nvme-inf")}):
+        engine, loader = build_engine(_config(3, False, offload), prefix)
+        names = {id(p): n for n, p in engine.module.named_parameters()}
+        target = dict(engine.module.named_parameters())["blocks.0.mlp.fc.weight"]
+
+        def poison(grad: torch.Tensor) -> torch.Tensor:
+            grad = grad.clone()
+            grad.view(-1)[7] = float("inf")
+            return grad
+
+        handle = target.register_hook(poison)
+        batch = next(iter(loader))
+        engine.backward(engine(**batch))
+        engine.dp.reduce_gradients()
+        handle.remove()
+        out.append([names[id(p)] for p in engine.dp.nonfinite_params()] + [str(engine.dp.grad_norm())])
+        if offload is not None:
+            engine.dp.close()
     return out
 
 
@@ -122,6 +151,11 @@ def test_device_cpu_copies_nothing_and_nvme_matches_estimate(pools, token_datase
     assert abs(measured - estimated) <= 0.1 * estimated, result["disk"]
     measured, estimated = result["buffers"]
     assert abs(measured - estimated) <= 0.1 * estimated, result["buffers"]
+    measured, estimated = result["gradient buffers"]
+    assert abs(measured - estimated) <= 0.1 * estimated, result["gradient buffers"]
+    assert result["accumulated by read-add-write"]
+    in_memory, swapped = result["nonfinite"]
+    assert in_memory == swapped and in_memory[-1] == "inf" and "blocks.0.mlp.fc.weight" in in_memory
 
 
 def test_swap_files_are_per_run_removed_at_exit_and_never_read_stale(tmp_path):
