@@ -23,7 +23,8 @@ machinery above is unchanged: `UnitFetcher` still only calls `_Shard.start_gathe
   back when a read needs one). The tensor keeps its shape, its storage becomes 0 bytes, and its
   bucket views (`shard_views`) are made anew whenever its memory changes.
 - After the optimizer step the masters are cast into each partition one at a time, which is then
-  written back (update_model); nothing is read for that, since the cast overwrites it all.
+  written back (update_model), each write overlapping the next partition's cast (two in memory at
+  most), the last waited for; nothing is read for that, since the cast overwrites it all.
 
 Persistent parameters (under stage3_param_persistence_threshold) stay whole in memory, as in
 DeepSpeed. An fp32 model's partitions are normally its master weights themselves; with parameter
@@ -97,6 +98,8 @@ class ParamSwapper:
         self.pool = PartitionBuffers(buffer_count, buffer_size)
         self._pooled: dict[int, torch.Tensor] = {}  # id(shard) -> the pool buffer its partition is in
         self._in_use: set[int] = set()  # loaded or held, not done with yet: never evicted for a buffer
+        self._writing: OrderedDict[int, tuple] = OrderedDict()  # id(shard) -> (shard, write request), oldest first
+        self._pass: set[int] = set()  # shards written back since the last fetch
         self.shards: list = []
         self._cache: OrderedDict[int, object] = OrderedDict()  # id(shard) -> shard, in memory, LRU first
         self._reads: dict[int, int] = {}  # id(shard) -> read request in flight
@@ -136,7 +139,7 @@ class ParamSwapper:
         buffer = self.pool.take()
         if buffer is None:  # take back the buffer of the least recently used cached partition
             victim = next((s for k, s in self._cache.items() if k in self._pooled and k not in self._in_use
-                           and k not in self._reads), None)
+                           and k not in self._reads and k not in self._writing), None)
             if victim is not None:
                 self._drop(victim)
                 buffer = self.pool.take()
@@ -173,6 +176,8 @@ class ParamSwapper:
     def hold_for_overwrite(self, shard) -> None:
         """`shard`'s partition has memory (contents unspecified unless cached): it is about to be
         overwritten whole."""
+        if id(shard) in self._writing:  # so must a write of the old content
+            self._finish_writes(keep=len(self._writing), only=id(shard))
         if id(shard) in self._cache:
             self.load(shard)  # a read in flight must land before the overwrite
             self._cache.move_to_end(id(shard))
@@ -181,25 +186,47 @@ class ParamSwapper:
             self._allocate(shard)
 
     def write_back(self, shard) -> None:
-        """Write `shard`'s (changed) partition to its file, then drop what max_in_cpu does not keep."""
-        self.files.wait(self.files.submit_write(shard.swap_name, shard.shard))
-        self.done(shard)
+        """Write `shard`'s (changed) partition to its file, then drop what max_in_cpu does not keep.
+        The write is waited for at the next write_back (so it overlaps the caller's cast of the next
+        partition: two partitions in memory at most), at once when every swapped partition has been
+        written since the last fetch (the end of an update pass), or before anything else touches it."""
+        key = id(shard)
+        if key in self._writing:
+            self._finish_writes(only=key)
+        self._writing[key] = (shard, self.files.submit_write(shard.swap_name, shard.shard))
+        self._in_use.discard(key)
+        self._pass.add(key)
+        last = len(self._pass) >= len(self.shards)
+        if last:
+            self._pass.clear()
+        self._finish_writes(keep=0 if last else 1)
+
+    def _finish_writes(self, keep: int = 0, only: int | None = None) -> None:
+        """Wait for the oldest writes until `keep` are in flight (or for `only`'s), then evict."""
+        while len(self._writing) > keep or only in self._writing:
+            key = only if only in self._writing else next(iter(self._writing))
+            _, request = self._writing.pop(key)
+            self.files.wait(request)
+        self._evict(self.max_in_cpu)
 
     def done(self, shard) -> None:
         """`shard`'s partition is not needed now: keep it cached within max_in_cpu, else drop it."""
         self._in_use.discard(id(shard))
-        self._evict(self.max_in_cpu)
+        self._pass.clear()  # a fetch: an update pass counts its writes anew
+        self._finish_writes()
 
     def _evict(self, limit: int) -> None:
         while self.resident_numel > limit and self._cache:
             key = next(k for k in self._cache)  # least recently used
-            if key in self._reads:  # still being read: only the partitions before it go
+            if key in self._reads or key in self._writing:  # in flight: only the partitions before it go
                 break
             self._drop(self._cache[key])
 
     def _drop(self, shard) -> None:
         """Free `shard`'s partition memory (its buffer back to the pool); the tensor keeps its shape."""
         key = id(shard)
+        if key in self._writing:  # never free memory a write is still reading
+            self.files.wait(self._writing.pop(key)[1])
         self._cache.pop(key)
         self._in_use.discard(key)
         t = shard.shard
