@@ -145,6 +145,8 @@ def main(argv=None) -> None:
                         help="stage 3 only: in memory, parameter offload, both offloads")
     parser.add_argument("--deepspeed", action="store_true",
                         help="DP=2, ZeRO-3 + optimizer and parameter offload: megazero against DeepSpeed")
+    parser.add_argument("--ds-device", choices=("auto", "nvme", "cpu"), default="auto",
+                        help="--deepspeed: the offload device of both (auto: nvme where DeepSpeed's async_io loads)")
     parser.add_argument("--steps", type=int, default=2, help="steps per trial")
     parser.add_argument("--prefix", default=os.path.join(REPO, "data", "gpt2", "shakespeare_train_text_document"))
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "offload.json"))
@@ -326,9 +328,11 @@ def _deepspeed(args) -> None:
     if version is None:
         print("DeepSpeed column skipped: deepspeed does not import (pip install -e .[bench], or make bench)")
         return
-    device, why = _ds_device(args)
+    device, why = _ds_device(args) if args.ds_device == "auto" else (args.ds_device, None)
     if why:
         print(f"DeepSpeed {version}: its NVMe offload cannot run here ({why}); both offload to device cpu instead")
+    elif device == "cpu":
+        print(f"DeepSpeed {version}: both offload to device cpu (--ds-device cpu)")
     (result,) = spawn_workers(_ds_throughput, (args, device), DS_WORLD, 1)
     tokens = args.batch * args.seq  # per step, both ranks
     rows = {}
