@@ -22,7 +22,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -141,10 +143,16 @@ def main(argv=None) -> None:
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--param-offload", action="store_true",
                         help="stage 3 only: in memory, parameter offload, both offloads")
+    parser.add_argument("--deepspeed", action="store_true",
+                        help="DP=2, ZeRO-3 + optimizer and parameter offload: megazero against DeepSpeed")
+    parser.add_argument("--ds-device", choices=("auto", "nvme", "cpu"), default="auto",
+                        help="--deepspeed: the offload device of both (auto: nvme where DeepSpeed's async_io loads)")
     parser.add_argument("--steps", type=int, default=2, help="steps per trial")
     parser.add_argument("--prefix", default=os.path.join(REPO, "data", "gpt2", "shakespeare_train_text_document"))
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "offload.json"))
     args = parser.parse_args(argv)
+    if args.deepspeed:
+        return _deepspeed(args)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29561"), RANK="0",
                       WORLD_SIZE="1", LOCAL_RANK="0")
     dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(minutes=30))
@@ -211,6 +219,146 @@ def _param_offload(args) -> None:
         if hasattr(engine.dp, "close"):
             engine.dp.close()
     dist.destroy_process_group()
+
+
+# ---- --deepspeed: megazero against DeepSpeed, DP=2 -------------------------------------------------
+DS_WORLD = 2
+
+
+def _ds_config(args, device: str) -> dict:
+    """The engine config both get: ZeRO-3, optimizer and parameters offloaded to `device`."""
+    nvme = {"nvme_path": args.nvme_path} if device == "nvme" else {}
+    return {"train_micro_batch_size_per_gpu": args.batch // DS_WORLD, "gradient_accumulation_steps": 1,
+            "bf16": {"enabled": True}, "gradient_clipping": 1.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+            "zero_optimization": {"stage": 3, "reduce_bucket_size": args.bucket, "sub_group_size": args.sub_group_size,
+                                  "offload_optimizer": {"device": device, **nvme},
+                                  "offload_param": {"device": device, **nvme, "buffer_count": 5,
+                                                    "buffer_size": 10_000_000, "max_in_cpu": 0}},
+            "aio": {"block_size": 1048576, "queue_depth": 8, "thread_count": 1, "single_submit": False,
+                    "overlap_events": True},
+            "steps_per_print": 10**9}
+
+
+class _Runner:
+    """megazero's or DeepSpeed's engine over this rank's micro-batches, the DeepSpeed loop."""
+
+    def __init__(self, args, kind: str, device: str):
+        megazero.set_seed(0)
+        model = GPT(GPTConfig(vocab_size=args.vocab, seq_length=args.seq, num_layers=args.layers,
+                              hidden_size=args.hidden, num_attention_heads=args.heads, dropout=0.0))
+        config = _ds_config(args, device)
+        if kind == "deepspeed":
+            import deepspeed
+
+            deepspeed.utils.logger.setLevel(logging.WARNING)
+            self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        else:
+            self.engine, *_ = megazero.initialize(model=model, config=config)
+        from megazero.data import DistributedBatchLoader
+
+        dataset = GPTDataset(IndexedDataset(args.prefix), args.seq, seed=0)
+        self.data = iter(DistributedBatchLoader(dataset, args.batch // DS_WORLD, dist.get_rank(), DS_WORLD))
+
+    def step(self) -> float:
+        batch = next(self.data)
+        loss = self.engine(batch["input_ids"], batch["labels"])
+        self.engine.backward(loss)
+        self.engine.step()
+        return loss.item()
+
+
+def _ds_device(args) -> tuple[str, str | None]:
+    """'nvme', or 'cpu' and why DeepSpeed's NVMe offload cannot run here (its async_io op)."""
+    try:
+        from deepspeed.accelerator import get_accelerator
+
+        builder = get_accelerator().create_op_builder("AsyncIOBuilder")
+        if builder is None:
+            return "cpu", f"accelerator {get_accelerator()._name!r} has no AsyncIOBuilder"
+        if not builder.is_compatible(verbose=False):
+            return "cpu", "async_io is not compatible (libaio's .so and headers missing: apt-get install libaio-dev)"
+        builder.load(verbose=False)
+    except Exception as e:  # the op's build error, verbatim
+        return "cpu", f"{type(e).__name__}: {e}"
+    return "nvme", None
+
+
+def _ds_throughput(rank: int, world: int, port: int, args, device: str, queue) -> None:
+    from bench_zero import init_process
+
+    init_process(rank, world, port)
+    runners, errors = {}, {}
+    for kind in ("megazero", "deepspeed"):
+        try:
+            runners[kind] = _Runner(args, kind, device)
+        except Exception as e:  # a peer that cannot run its NVMe offload here: said, and left out
+            errors[kind] = f"{type(e).__name__}: {e}"
+    times = {k: [] for k in runners}
+    losses = {k: [r.step() for _ in range(1)] for k, r in runners.items()}  # warm-up: optimizer states
+    for _ in range(args.trials):
+        for kind, runner in runners.items():
+            dist.barrier()
+            start = time.perf_counter()
+            losses[kind] += [runner.step() for _ in range(args.steps)]
+            times[kind].append((time.perf_counter() - start) / args.steps)
+    if rank == 0:
+        queue.put({"times": times, "losses": losses, "errors": errors})
+    dist.destroy_process_group()
+
+
+def _ds_memory(rank: int, world: int, port: int, args, kind: str, device: str, queue) -> None:
+    from bench_zero import init_process
+
+    init_process(rank, world, port)
+    runner = _Runner(args, kind, device)
+    for _ in range(2):
+        runner.step()
+    queue.put((rank, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
+    dist.destroy_process_group()
+
+
+def _deepspeed(args) -> None:
+    """megazero vs DeepSpeed, ZeRO-3 + optimizer and parameter offload, DP=2 (see the docstring)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    from bench_zero import deepspeed_version, spawn_workers
+
+    version = deepspeed_version()
+    if version is None:
+        print("DeepSpeed column skipped: deepspeed does not import (pip install -e .[bench], or make bench)")
+        return
+    device, why = _ds_device(args) if args.ds_device == "auto" else (args.ds_device, None)
+    if why:
+        print(f"DeepSpeed {version}: its NVMe offload cannot run here ({why}); both offload to device cpu instead")
+    elif device == "cpu":
+        print(f"DeepSpeed {version}: both offload to device cpu (--ds-device cpu)")
+    (result,) = spawn_workers(_ds_throughput, (args, device), DS_WORLD, 1)
+    tokens = args.batch * args.seq  # per step, both ranks
+    rows = {}
+    for kind, times in result["times"].items():
+        peaks = spawn_workers(_ds_memory, (args, kind, device), DS_WORLD, DS_WORLD)
+        rows[kind] = {"tokens_per_s": statistics.median(tokens / t for t in times),
+                      "s_per_step": statistics.median(times), "peak_rss_MiB": max(p for _, p in peaks) / 2**20,
+                      "losses": result["losses"][kind]}
+    if "megazero" in rows and "deepspeed" in rows:
+        ratios = [d / m for m, d in zip(result["times"]["megazero"], result["times"]["deepspeed"])]
+        rows["megazero"]["speed_vs_deepspeed"] = statistics.median(ratios)
+    load = os.getloadavg()
+    print(f"GPT {args.layers} layers x {args.hidden}, bf16, DP={DS_WORLD}, ZeRO-3, offload_optimizer and offload_param "
+          f"{device} ({args.nvme_path if device == 'nvme' else 'host memory'}), DeepSpeed {version}, "
+          f"load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}")
+    print(f"{'engine':<11}{'tokens/s':>10}{'s/step':>9}{'peak RSS MiB/rank':>19}{'speed vs DS':>13}")
+    for kind, r in rows.items():
+        vs = f"{r['speed_vs_deepspeed']:.2f}" if "speed_vs_deepspeed" in r else "-"
+        print(f"{kind:<11}{r['tokens_per_s']:>10.1f}{r['s_per_step']:>9.2f}{r['peak_rss_MiB']:>19.0f}{vs:>13}")
+    for kind, error in result["errors"].items():
+        print(f"{kind} could not run: {error}")
+    out = args.out.replace("offload.json", "offload_deepspeed.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"deepspeed": version, "device": device, "why_not_nvme": why, "rows": rows,
+                   "errors": result["errors"], "load_average": load, "args": vars(args)}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -103,9 +103,12 @@ class OffloadParamConfig(Section):
     nvme_path: Str | None = Field(None, description="directory for the parameter swap files (device nvme; "
                                                     "required): <nvme_path>/megazero-swap/<run id>/rank<r>/")
     pin_memory: Bool = Field(False, description="page-lock the host buffers (with CUDA only; no effect on CPU)")
-    buffer_count: Int = Field(5, ge=1, description="accepted for DeepSpeed; partitions are read into their own "
-                                                   "memory, not a buffer pool (max_in_cpu bounds what stays)")
-    buffer_size: Int = Field(100_000_000, ge=1, description="accepted for DeepSpeed (see buffer_count)")
+    buffer_count: Int = Field(5, ge=1, description="buffers in the pool (nvme) that partitions are read into, "
+                                                   "reused, 4096-aligned; cached partitions (max_in_cpu) hold one "
+                                                   "too, given back when a read needs it")
+    buffer_size: Int = Field(100_000_000, ge=1, description="elements per pool buffer: no partition may be larger "
+                                                            "(an error names it); a buffer is made at first use, "
+                                                            "of the largest partition's size")
     max_in_cpu: Int = Field(1_000_000_000, ge=0, description="partition elements kept cached in host memory "
                                                              "after use (nvme; least recently used dropped first)")
 

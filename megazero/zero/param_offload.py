@@ -10,11 +10,21 @@ machinery above is unchanged: `UnitFetcher` still only calls `_Shard.start_gathe
   unit's read overlaps the current unit's compute; at DP>1 the read is waited for before the
   all-gather is started (collectives must start in the same order on every rank), and the gather
   overlaps compute as without offload.
+- A partition read back (or held for an overwrite) lands in a buffer of the pool (DeepSpeed's
+  `buffer_count` buffers of `buffer_size` elements; `PartitionBuffers`), reused from one partition
+  to the next, 4096-aligned so the op can use O_DIRECT: what fetches hold in memory is bounded by
+  the pool, and steady-state steps allocate nothing. A buffer is made at its first use, of the
+  largest partition's bytes (never more than buffer_size elements; a larger partition is an error
+  naming buffer_size). When every buffer holds a partition still in use (e.g. the optimizer's
+  first step loading a whole sub-group of partitions at once), the partition gets its own memory,
+  counted in `PartitionBuffers.overflows`.
 - Once gathered, the partition is dropped from memory, except that up to `max_in_cpu` elements of
-  partitions stay cached (least recently used dropped first). Dropping frees the tensor's storage
-  (`untyped_storage().resize_(0)`), so every view of it stays valid and a read refills it in place.
+  partitions stay cached (least recently used dropped first; a cached partition's buffer is taken
+  back when a read needs one). The tensor keeps its shape, its storage becomes 0 bytes, and its
+  bucket views (`shard_views`) are made anew whenever its memory changes.
 - After the optimizer step the masters are cast into each partition one at a time, which is then
-  written back (update_model); nothing is read for that, since the cast overwrites it all.
+  written back (update_model), each write overlapping the next partition's cast (two in memory at
+  most), the last waited for; nothing is read for that, since the cast overwrites it all.
 
 Persistent parameters (under stage3_param_persistence_threshold) stay whole in memory, as in
 DeepSpeed. An fp32 model's partitions are normally its master weights themselves; with parameter
@@ -39,12 +49,57 @@ def _resident(t: torch.Tensor) -> bool:
     return t.untyped_storage().nbytes() > 0
 
 
+class PartitionBuffers:
+    """offload_param's pool: at most `count` reusable aligned byte buffers, each of `nbytes` (the
+    largest partition's bytes, set before the first take(); at most `size` elements)."""
+
+    def __init__(self, count: int, size: int):
+        self.count, self.size = count, size
+        self.nbytes = 0
+        self._free: list[torch.Tensor] = []
+        self.made = 0  # buffers allocated so far (<= count)
+        self.in_use = 0
+        self.peak_in_use = 0
+        self.overflows = 0  # partitions given their own memory: every buffer was in use
+
+    def take(self) -> torch.Tensor | None:
+        """A free buffer (uint8, 4096-aligned), or None when all `count` are in use."""
+        small = [b for b in self._free if b.numel() < self.nbytes]  # made before a larger partition came
+        if small:
+            self._free = [b for b in self._free if b.numel() >= self.nbytes]
+            self.made -= len(small)
+        if not self._free and self.made < self.count:
+            from megazero.ops.aio import aligned_empty
+
+            self._free.append(aligned_empty((self.nbytes,), torch.uint8))
+            self.made += 1
+        if not self._free:
+            return None
+        self.in_use += 1
+        self.peak_in_use = max(self.peak_in_use, self.in_use)
+        return self._free.pop()
+
+    def give(self, buffer: torch.Tensor) -> None:
+        """Return a buffer from take()."""
+        self.in_use -= 1
+        self._free.append(buffer)
+
+    def reset_peak(self) -> None:
+        """Measure peak_in_use (and overflows) anew from now."""
+        self.peak_in_use, self.overflows = self.in_use, 0
+
+
 class ParamSwapper:
     """The swap files of one rank's partitioned parameter shards, and which of them are in memory."""
 
-    def __init__(self, files: SwapFiles, max_in_cpu: int):
+    def __init__(self, files: SwapFiles, max_in_cpu: int, buffer_count: int = 5, buffer_size: int = 100_000_000):
         self.files = files
         self.max_in_cpu = max_in_cpu
+        self.pool = PartitionBuffers(buffer_count, buffer_size)
+        self._pooled: dict[int, torch.Tensor] = {}  # id(shard) -> the pool buffer its partition is in
+        self._in_use: set[int] = set()  # loaded or held, not done with yet: never evicted for a buffer
+        self._writing: OrderedDict[int, tuple] = OrderedDict()  # id(shard) -> (shard, write request), oldest first
+        self._pass: set[int] = set()  # shards written back since the last fetch
         self.shards: list = []
         self._cache: OrderedDict[int, object] = OrderedDict()  # id(shard) -> shard, in memory, LRU first
         self._reads: dict[int, int] = {}  # id(shard) -> read request in flight
@@ -58,6 +113,13 @@ class ParamSwapper:
         partitions in memory at a time)."""
         # weakly: the model (whose parameters reach the shards) may outlive the engine's state;
         # the swap files go with the state
+        numel = shard.shard.numel()
+        if numel > self.pool.size:
+            shapes = [tuple(shape) for shape in list(shard.layout.shapes.values())[:4]]
+            raise ValueError(f"zero_optimization.offload_param.buffer_size={self.pool.size:,} elements is smaller "
+                             f"than a parameter partition of {numel:,} elements (this rank's share of parameters "
+                             f"of shapes {shapes}); set buffer_size >= {numel:,}")
+        self.pool.nbytes = max(self.pool.nbytes, numel * shard.shard.element_size())
         shard.swap, shard.swap_name = weakref.proxy(self), f"param{len(self.shards):05d}"
         self.shards.append(shard)
         self.files.wait(self.files.submit_write(shard.swap_name, shard.shard))
@@ -67,13 +129,28 @@ class ParamSwapper:
         self._evict(limit=0)  # nothing cached at the start: the partitions live in the files
 
     def reset_peak(self) -> None:
-        """Measure peak_resident_numel from what is in memory now."""
+        """Measure peak_resident_numel (and the pool's peak) from what is in memory now."""
         self.peak_resident_numel = self.resident_numel
+        self.pool.reset_peak()
 
     # ---- residency -------------------------------------------------------------------------------
     def _allocate(self, shard) -> None:
-        storage = shard.shard.untyped_storage()
-        storage.resize_(shard.shard.numel() * shard.shard.element_size())
+        self._in_use.add(id(shard))
+        buffer = self.pool.take()
+        if buffer is None:  # take back the buffer of the least recently used cached partition
+            victim = next((s for k, s in self._cache.items() if k in self._pooled and k not in self._in_use
+                           and k not in self._reads and k not in self._writing), None)
+            if victim is not None:
+                self._drop(victim)
+                buffer = self.pool.take()
+        t = shard.shard
+        if buffer is None:  # every buffer holds a partition in use: own memory, as without a pool
+            self.pool.overflows += 1
+            t.untyped_storage().resize_(t.numel() * t.element_size())
+        else:
+            self._pooled[id(shard)] = buffer
+            t.set_(buffer.untyped_storage(), buffer.storage_offset() // t.element_size(), t.shape)
+        shard.shard_views = shard.layout.split_partition(t)
         self._cache[id(shard)] = shard
         self.resident_numel += shard.shard.numel()
         self.peak_resident_numel = max(self.peak_resident_numel, self.resident_numel)
@@ -82,14 +159,16 @@ class ParamSwapper:
         """Start reading `shard`'s partition into memory (nothing when it is cached or on its way)."""
         if id(shard) in self._cache:
             self._cache.move_to_end(id(shard))
+            self._in_use.add(id(shard))  # its buffer is not taken back before it is gathered
             return
         self._allocate(shard)
         self._reads[id(shard)] = self.files.submit_read(shard.swap_name, shard.shard)
         self.reads += 1
 
     def load(self, shard) -> None:
-        """`shard`'s partition is in memory when this returns."""
+        """`shard`'s partition is in memory when this returns (in use until done() or write_back())."""
         self.submit_load(shard)
+        self._in_use.add(id(shard))
         request = self._reads.pop(id(shard), None)
         if request is not None:
             self.files.wait(request)
@@ -97,29 +176,67 @@ class ParamSwapper:
     def hold_for_overwrite(self, shard) -> None:
         """`shard`'s partition has memory (contents unspecified unless cached): it is about to be
         overwritten whole."""
+        if id(shard) in self._writing:  # so must a write of the old content
+            self._finish_writes(keep=len(self._writing), only=id(shard))
         if id(shard) in self._cache:
             self.load(shard)  # a read in flight must land before the overwrite
             self._cache.move_to_end(id(shard))
+            self._in_use.add(id(shard))
         else:
             self._allocate(shard)
 
     def write_back(self, shard) -> None:
-        """Write `shard`'s (changed) partition to its file, then drop what max_in_cpu does not keep."""
-        self.files.wait(self.files.submit_write(shard.swap_name, shard.shard))
-        self.done(shard)
+        """Write `shard`'s (changed) partition to its file, then drop what max_in_cpu does not keep.
+        The write is waited for at the next write_back (so it overlaps the caller's cast of the next
+        partition: two partitions in memory at most), at once when every swapped partition has been
+        written since the last fetch (the end of an update pass), or before anything else touches it."""
+        key = id(shard)
+        if key in self._writing:
+            self._finish_writes(only=key)
+        self._writing[key] = (shard, self.files.submit_write(shard.swap_name, shard.shard))
+        self._in_use.discard(key)
+        self._pass.add(key)
+        last = len(self._pass) >= len(self.shards)
+        if last:
+            self._pass.clear()
+        self._finish_writes(keep=0 if last else 1)
+
+    def _finish_writes(self, keep: int = 0, only: int | None = None) -> None:
+        """Wait for the oldest writes until `keep` are in flight (or for `only`'s), then evict."""
+        while len(self._writing) > keep or only in self._writing:
+            key = only if only in self._writing else next(iter(self._writing))
+            _, request = self._writing.pop(key)
+            self.files.wait(request)
+        self._evict(self.max_in_cpu)
 
     def done(self, shard) -> None:
         """`shard`'s partition is not needed now: keep it cached within max_in_cpu, else drop it."""
-        self._evict(self.max_in_cpu)
+        self._in_use.discard(id(shard))
+        self._pass.clear()  # a fetch: an update pass counts its writes anew
+        self._finish_writes()
 
     def _evict(self, limit: int) -> None:
         while self.resident_numel > limit and self._cache:
             key = next(k for k in self._cache)  # least recently used
-            if key in self._reads:  # still being read: only the partitions before it go
+            if key in self._reads or key in self._writing:  # in flight: only the partitions before it go
                 break
-            shard = self._cache.pop(key)
-            shard.shard.untyped_storage().resize_(0)
-            self.resident_numel -= shard.shard.numel()
+            self._drop(self._cache[key])
+
+    def _drop(self, shard) -> None:
+        """Free `shard`'s partition memory (its buffer back to the pool); the tensor keeps its shape."""
+        key = id(shard)
+        if key in self._writing:  # never free memory a write is still reading
+            self.files.wait(self._writing.pop(key)[1])
+        self._cache.pop(key)
+        self._in_use.discard(key)
+        t = shard.shard
+        buffer = self._pooled.pop(key, None)
+        if buffer is not None:
+            t.set_(torch.empty(t.shape, dtype=t.dtype, device=t.device))  # not touched: no pages
+            self.pool.give(buffer)
+        shard.shard_views = shard.layout.split_partition(t)  # no view keeps pointing into the buffer
+        t.untyped_storage().resize_(0)
+        self.resident_numel -= t.numel()
 
     def resident_tensors(self) -> list[torch.Tensor]:
         """The partitions in memory now."""
@@ -157,4 +274,4 @@ def make_param_swapper(config, model: torch.nn.Module, group=None) -> ParamSwapp
     rank = dist.get_rank() if dist.is_initialized() else 0
     files = SwapFiles(SwapDirectory(offload.nvme_path, _agreed_run_id(group), rank),
                       AsyncIO(**config.aio.model_dump()))
-    return ParamSwapper(files, offload.max_in_cpu)
+    return ParamSwapper(files, offload.max_in_cpu, offload.buffer_count, offload.buffer_size)

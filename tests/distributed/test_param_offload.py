@@ -120,6 +120,17 @@ def _offload_runs(prefix: str, tmp: str) -> dict:
     out["disk"] = swap.disk_bytes()
     out["measured vs estimate"] = _against_estimate(offloaded, state)
     out["cpu is in-memory"] = cpu.dp.param_swap is None and type(cpu.dp) is type(plain.dp)
+    # the buffer pool (offload_param buffer_count x buffer_size): reads land in reused buffers, each
+    # the largest partition's bytes, no more in use than partitions resident; a too small
+    # buffer_size is an error naming it
+    pool = swap.pool
+    out["pool"] = (pool.peak_in_use, pool.made, pool.count, pool.overflows,
+                   pool.nbytes == max(s.shard.numel() * s.shard.element_size() for s in partitions))
+    try:
+        build_engine(_config(True, {**nvme, "buffer_size": 8}), prefix)
+        out["buffer_size error"] = "no error"
+    except ValueError as e:
+        out["buffer_size error"] = str(e)
     # persistent parameters: one all-gather per pack (reduce_bucket_size), not one per unit
     persistent = [s for s in plain.dp.parts if s.persistent]
     traffic.reset()
@@ -152,6 +163,9 @@ def test_param_offload_equals_in_memory_and_bounds_memory(pools, token_dataset_p
         assert r["disk"] > 0
         for kind, (measured, estimated) in r["measured vs estimate"].items():  # RAM and disk per rank
             assert abs(measured - estimated) <= 0.1 * estimated, (kind, r["measured vs estimate"])
+        peak_buffers, made, count, overflows, sized = r["pool"]
+        assert peak_buffers <= 2 and made <= count and overflows == 0 and sized, r["pool"]
+        assert "offload_param.buffer_size=8 elements" in r["buffer_size error"], r["buffer_size error"]
         calls, packs, shards = r["persistent gathers"]
         if world_size > 1:
             assert calls == packs < shards, r["persistent gathers"]
