@@ -15,7 +15,9 @@ PP=WORLD with m = 4, 8, 16 micro-batches of one sample, plain 1F1B (v=1) and int
 next to DP=WORLD on the same global batch; the recipe's GPT at 8 layers (so that PP=4 x v=2 has a
 layer per virtual stage). Measured bubble: the time each rank spends blocked in p2p exchanges over
 its schedule time (mean over ranks); theory: (p - 1) / (v m) of the ideal time, which as a fraction
-of the step is (p - 1) / (v m + p - 1). Writes benchmarks/results/parallel_bubbles_pp{WORLD}.json.
+of the step is (p - 1) / (v m + p - 1). --partition-methods parameters compute: each PP row at
+both stage splits (models.parallelize.stage_layers; the compute split's rows end in _compute).
+Writes benchmarks/results/parallel_bubbles_pp{WORLD}.json.
 """
 
 from __future__ import annotations
@@ -50,26 +52,30 @@ BUBBLE_LAYERS = 8
 BUBBLE_MICRO_BATCHES = (4, 8, 16)
 
 
-def bubble_layouts(world: int) -> dict[str, dict]:
-    """--bubbles: name -> {tp, pp, sp, micro, batch, chunks, layers}: DP=world and PP=world (v = 1, 2)
-    at each m, the same global batch of m samples."""
+def bubble_layouts(world: int, methods: tuple[str, ...] = ("parameters",)) -> dict[str, dict]:
+    """--bubbles: name -> {tp, pp, sp, micro, batch, chunks, layers, split}: DP=world and PP=world
+    (v = 1, 2, at each stage split of `methods`) at each m, the same global batch of m samples."""
     layouts = {}
     for m in BUBBLE_MICRO_BATCHES:
-        common = {"tp": 1, "sp": False, "batch": m, "layers": BUBBLE_LAYERS}
+        common = {"tp": 1, "sp": False, "batch": m, "layers": BUBBLE_LAYERS, "split": "parameters"}
         layouts[f"dp{world}_b{m}"] = {**common, "pp": 1, "micro": m // world, "chunks": 1}
         for v in (1, 2):
-            layouts[f"pp{world}_m{m}_v{v}"] = {**common, "pp": world, "micro": 1, "chunks": v}
+            for method in methods:
+                suffix = "" if method == "parameters" else f"_{method}"
+                layouts[f"pp{world}_m{m}_v{v}{suffix}"] = {**common, "pp": world, "micro": 1, "chunks": v,
+                                                           "split": method}
     # the issue's case with a shape header on every p2p message, as before the shape cache
     layouts[f"pp{world}_m8_v1_headers"] = {**layouts[f"pp{world}_m8_v1"], "headers": True}
     return layouts
 
 
-def layout_spec(name: str, bubbles: int | None) -> dict:
-    """A layout's {tp, pp, sp, micro, batch, chunks, layers} (layers None: the recipe's)."""
-    if bubbles:
-        return bubble_layouts(bubbles)[name]
+def layout_spec(name: str, args) -> dict:
+    """A layout's {tp, pp, sp, micro, batch, chunks, layers, split} (layers None: the recipe's)."""
+    if args.bubbles:
+        return bubble_layouts(args.bubbles, tuple(args.partition_methods))[name]
     tp, pp, sp, micro = LAYOUTS[name]
-    return {"tp": tp, "pp": pp, "sp": sp, "micro": micro, "batch": GLOBAL_BATCH, "chunks": 1, "layers": None}
+    return {"tp": tp, "pp": pp, "sp": sp, "micro": micro, "batch": GLOBAL_BATCH, "chunks": 1, "layers": None,
+            "split": "parameters"}
 
 
 def model_config(name: str, tp: int, sp: bool, layers: int | None = None, hidden: int | None = None,
@@ -85,14 +91,14 @@ class LayoutRun:
     """One layout's engine and an endless iterator over its loader."""
 
     def __init__(self, name: str, args):
-        spec = layout_spec(name, args.bubbles)
+        spec = layout_spec(name, args)
         tp, pp, micro, chunks = spec["tp"], spec["pp"], spec["micro"], spec["chunks"]
         self.pp = pp
         self.micro_batches = spec["batch"] // micro // (dist.get_world_size() // (tp * pp))
         grid = parallel_state.initialize_model_parallel(tp, pp)
         config = model_config(name, tp, spec["sp"], spec["layers"], args.hidden_size, args.seq_length)
         megazero.set_seed(0)
-        model = parallelize(config, grid, config.num_layers // (pp * chunks) if chunks > 1 else None)
+        model = parallelize(config, grid, config.num_layers // (pp * chunks) if chunks > 1 else None, spec["split"])
         with open(os.path.join(REPO, "configs", "ds_gpt2_cpu.json")) as f:  # recipe_config() leaves it out
             optimizer = json.load(f)["optimizer"]
         engine_config = {**recipe_config(), "optimizer": optimizer, "train_batch_size": spec["batch"],
@@ -160,6 +166,8 @@ def main() -> None:
                         help="the pipeline bubble table on this many ranks instead (see the module docstring)")
     parser.add_argument("--hidden-size", type=int, default=None, help="override the recipe GPT's (default 384)")
     parser.add_argument("--seq-length", type=int, default=None, help="override the recipe GPT's (default 256)")
+    parser.add_argument("--partition-methods", nargs="+", choices=["parameters", "compute"], default=["parameters"],
+                        help="--bubbles: the stage splits to measure each PP row at (default: parameters)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.bubbles:
@@ -219,7 +227,7 @@ def main() -> None:
 def bubbles_main(args) -> None:
     """--bubbles: DP and PP (v = 1, 2) at m = 4, 8, 16 on args.bubbles ranks, alternating trials."""
     world = args.bubbles
-    layouts = bubble_layouts(world)
+    layouts = bubble_layouts(world, tuple(args.partition_methods))
     if args.layouts == list(LAYOUTS):
         args.layouts = list(layouts)
     result = spawn_workers(worker, (args,), world=world)[0]
@@ -252,6 +260,7 @@ def bubbles_main(args) -> None:
         else:
             label = f"PP={row['pp']} m={row['micro_batches']} v={row['chunks']}"
             label += " hdr" if row.get("headers") else ""
+            label += " cmp" if row["split"] == "compute" else ""
             cells = (f"{row['bubble_measured']:>16.3f}{row['not_computing']:>15.3f}{row['theory_over_ideal']:>12.3f}"
                      f"{row['theory_fraction_of_step']:>16.3f}")
         busy = " ".join(f"{b:.2f}" for b in row["busy_s_per_step"])

@@ -89,6 +89,9 @@ def recipe_parser(description: str, model_config: str, engine_config_path: str) 
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     p.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                    help="interleaved 1F1B: each pipeline stage holds num_layers / (PP x this) model chunks")
+    p.add_argument("--pipeline-partition-method", choices=["parameters", "compute"], default=None,
+                   help="which layers each pipeline stage holds: balanced by parameter count (default), or by "
+                        "forward FLOPs with the output layer and loss counted (fewer layers on the last stage)")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="split LayerNorm/dropout activations along the sequence across tensor-parallel ranks")
     p.add_argument("--micro-batch-size", type=int, help="overrides train_micro_batch_size_per_gpu")
@@ -222,6 +225,24 @@ def _virtual_stage_flag(args: argparse.Namespace, config: dict) -> None:
                           f"{key} of {args.megazero_config} disagree; they are one setting: give one, or the same "
                           f"value")
     config["pipeline"] = {**(block if isinstance(block, dict) else {}), "num_layers_per_virtual_stage": flag}
+
+
+def partition_method(args: argparse.Namespace) -> str:
+    """The pipeline's stage split of the run (models.parallelize.parallelize's partition_method):
+    --pipeline-partition-method, else the engine config's pipeline.partition_method, else
+    "parameters"; one line naming both when they disagree."""
+    flag = getattr(args, "pipeline_partition_method", None)
+    try:
+        config = engine_config(args)
+        key = validate_config(config).pipeline.partition_method if "pipeline" in config else None
+    except ConfigError as e:
+        raise SystemExit(f"[megazero] rank {dist.get_rank() if dist.is_initialized() else 0}: engine config "
+                         f"{args.megazero_config} (with the recipe's flags applied): {e}") from None
+    explicit = key if key is not None and "partition_method" in config["pipeline"] else None
+    if flag is not None and explicit is not None and flag != explicit:
+        raise SystemExit(f"[megazero] --pipeline-partition-method {flag} and 'pipeline.partition_method' {explicit} "
+                         f"of {args.megazero_config} disagree; they are one setting: give one, or the same value")
+    return flag or explicit or "parameters"
 
 
 def virtual_stage_layers(args: argparse.Namespace) -> int | None:

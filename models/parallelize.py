@@ -11,8 +11,10 @@ What it decides, for this rank of the grid:
 - expert parallelism: a config with num_experts gets the grid's expert-parallel group, over which
   its MoE layers split their experts (megazero/moe/);
 - the pipeline stage: which of the config's layers this stage holds (`stage_layers`: contiguous
-  ranges balanced by parameter count), whether it embeds (first stage) and holds the head and
-  loss (last stage), and so whether its word embedding is tied to a copy on another stage;
+  ranges balanced by parameter count, or with partition_method "compute" by forward FLOPs: the
+  last stage's output layer and loss over the vocabulary weigh what they cost), whether it embeds
+  (first stage) and holds the head and loss (last stage), and so whether its word embedding is
+  tied to a copy on another stage;
 - recomputation (`apply_recompute`): config.recompute_granularity "full" recomputes whole layers
   (the first recompute_num_layers of the stage, default all) in backward, "selective" only the
   attention core;
@@ -39,7 +41,12 @@ from megazero.activation_checkpointing import checkpoint
 from megazero.ops.cuda_ops import bias_gelu
 from megazero.parallel_state import ParallelGrid
 from megazero.pipeline.chunks import ModelChunks, chunk_count, chunk_stage
-from megazero.pipeline.partition import balanced_stage_layers
+from megazero.pipeline.partition import (
+    PARTITION_METHODS,
+    balanced_stage_layers,
+    head_forward_flops,
+    layer_forward_flops,
+)
 from models.bert import Bert, BertConfig
 from models.common import ModelConfig
 from models.gpt import GPT, MLP, GPTConfig
@@ -96,13 +103,48 @@ def _llama_weights(config: LlamaConfig) -> tuple[int, int, int]:
     return 2 * h * h + kv * h + 3 * h * config.ffn_hidden_size + 2 * h, embedding, embedding + h
 
 
-_STAGE_WEIGHTS = {GPTConfig: _gpt_weights, BertConfig: _bert_weights, LlamaConfig: _llama_weights}
+def _gpt_flops(config: GPTConfig) -> tuple[int, int, int]:
+    """Forward FLOPs per sequence: (one layer, the embedding lookup: none, the output layer and loss)."""
+    h, s = config.hidden_size, config.seq_length
+    return (layer_forward_flops(h, s, 4 * h * h + 2 * h * config.ffn_hidden_size), 0,
+            head_forward_flops(h, s, config.padded_vocab_size))
 
 
-def stage_layers(config: ModelConfig, num_stages: int) -> list[range]:
-    """Each pipeline stage's layers, balanced by parameter count (the embeddings count on the first
-    stage, the head and the tied output layer's copy on the last)."""
-    weights = next((fn for cls, fn in _STAGE_WEIGHTS.items() if isinstance(config, cls)), None)
+def _bert_flops(config: BertConfig) -> tuple[int, int, int]:
+    """Forward FLOPs per sequence: (one layer, none, the MLM head's transform and output layer and
+    the pooler; the loss)."""
+    h, s = config.hidden_size, config.seq_length
+    return (layer_forward_flops(h, s, 4 * h * h + 2 * h * config.ffn_hidden_size), 0,
+            head_forward_flops(h, s, config.padded_vocab_size, 2 * h * h))
+
+
+def _llama_flops(config: LlamaConfig) -> tuple[int, int, int]:
+    """Forward FLOPs per sequence: (one layer: q, [k; v], output projection, SwiGLU; none; the
+    output layer and loss)."""
+    h, s = config.hidden_size, config.seq_length
+    kv = 2 * config.num_query_groups * (h // config.num_attention_heads)
+    return (layer_forward_flops(h, s, 2 * h * h + kv * h + 3 * h * config.ffn_hidden_size), 0,
+            head_forward_flops(h, s, config.padded_vocab_size))
+
+
+# partition method -> config class -> (one layer, first stage's extra, last stage's extra)
+_STAGE_WEIGHTS = {
+    "parameters": {GPTConfig: _gpt_weights, BertConfig: _bert_weights, LlamaConfig: _llama_weights},
+    "compute": {GPTConfig: _gpt_flops, BertConfig: _bert_flops, LlamaConfig: _llama_flops},
+}
+
+
+def stage_layers(config: ModelConfig, num_stages: int, partition_method: str = "parameters") -> list[range]:
+    """Each pipeline stage's layers. partition_method "parameters": balanced by parameter count
+    (the embeddings count on the first stage, the head and the tied output layer's copy on the
+    last); "compute": by forward FLOPs (the output layer and loss over the vocabulary on the last
+    stage, ~3 layers of GPT at hidden 192 and vocabulary 8192; the embedding lookup as none), so the
+    last stage gets fewer layers. Either way each layer keeps its number and parameter names, so
+    checkpoints load at any split."""
+    if partition_method not in PARTITION_METHODS:
+        raise ValueError(f"pipeline partition_method {partition_method!r}: expected one of {list(PARTITION_METHODS)}")
+    table = _STAGE_WEIGHTS[partition_method]
+    weights = next((fn for cls, fn in table.items() if isinstance(config, cls)), None)
     if weights is None:
         raise TypeError(f"no pipeline stage weights for a {type(config).__name__} in models/parallelize.py")
     block, first_extra, last_extra = weights(config)
@@ -110,12 +152,12 @@ def stage_layers(config: ModelConfig, num_stages: int) -> list[range]:
 
 
 def build_stage(config: ModelConfig, stage: int = 0, num_stages: int = 1, tp_group=None,
-                ep_group=None) -> torch.nn.Module:
+                ep_group=None, partition_method: str = "parameters") -> torch.nn.Module:
     """Pipeline stage `stage` of `num_stages` of the model, over `tp_group` (None: unsharded), on
     the current default device, its MoE layers' experts split over `ep_group` (None: all here;
     only for a config with num_experts). Also builds the stages of another layout (checkpoint
-    conversion builds them on the meta device)."""
-    layers = stage_layers(config, num_stages)[stage]
+    conversion builds them on the meta device); partition_method: as stage_layers."""
+    layers = stage_layers(config, num_stages, partition_method)[stage]
     # the one place the expert-parallel group reaches a model: GPT's and Llama's MoE layers
     experts = {"ep_group": ep_group} if getattr(config, "num_experts", None) is not None else {}
     return model_class(config)(config, tp_group, layers, pre_process=stage == 0, post_process=stage == num_stages - 1,
@@ -225,21 +267,22 @@ def _speed_options(model: torch.nn.Module, config: ModelConfig) -> torch.nn.Modu
 
 
 def build_chunks(config: ModelConfig, stage: int, num_stages: int, num_chunks: int, tp_group=None,
-                 ep_group=None) -> ModelChunks:
+                 ep_group=None, partition_method: str = "parameters") -> ModelChunks:
     """Stage `stage`'s model chunks for the interleaved schedule: chunk c is virtual stage c * p +
-    stage of the model split into p * v stages (balanced by parameter count, as stage_layers).
+    stage of the model split into p * v stages (balanced as stage_layers, by partition_method).
     Each chunk is built from the same generator state, so it draws the seeds a whole model does."""
     state = torch.get_rng_state()
     chunks = []
     for c in range(num_chunks):
         torch.set_rng_state(state)
         chunks.append(build_stage(config, chunk_stage(c, stage, num_stages), num_stages * num_chunks, tp_group,
-                                  ep_group))
+                                  ep_group, partition_method))
     return ModelChunks(chunks)
 
 
 def parallelize(config: ModelConfig, grid: ParallelGrid | None = None,
-                num_layers_per_virtual_stage: int | None = None) -> torch.nn.Module:
+                num_layers_per_virtual_stage: int | None = None,
+                partition_method: str = "parameters") -> torch.nn.Module:
     """This rank's module: its tensor-parallel shard of its pipeline stage of the model `config`
     describes (GPTConfig: GPT, BertConfig: Bert, LlamaConfig: Llama), with the config's recomputation and fused
     kernels; without a grid, the whole model in one process. Every rank draws the same random
@@ -248,7 +291,14 @@ def parallelize(config: ModelConfig, grid: ParallelGrid | None = None,
 
     num_layers_per_virtual_stage (Megatron's --num-layers-per-virtual-pipeline-stage): split the
     model into PP x v virtual stages of that many layers (v = num_layers / (PP x it)) and give
-    each rank v model chunks (megazero.pipeline.ModelChunks) for the interleaved schedule."""
+    each rank v model chunks (megazero.pipeline.ModelChunks) for the interleaved schedule (v
+    chunks of as many layers on average: the split into PP x v stages follows partition_method).
+
+    partition_method (the engine config's pipeline.partition_method, --pipeline-partition-method):
+    "parameters" balances the stages by parameter count, "compute" by forward FLOPs (see
+    stage_layers)."""
+    if partition_method not in PARTITION_METHODS:
+        raise ValueError(f"pipeline partition_method {partition_method!r}: expected one of {list(PARTITION_METHODS)}")
     if grid is None:
         if num_layers_per_virtual_stage is not None:
             chunk_count(config.num_layers, 1, num_layers_per_virtual_stage)  # raises: needs PP >= 2
@@ -257,8 +307,9 @@ def parallelize(config: ModelConfig, grid: ParallelGrid | None = None,
     pp = grid.pipeline_model_parallel_size
     num_chunks = chunk_count(config.num_layers, pp, num_layers_per_virtual_stage)
     if num_chunks == 1:
-        return _speed_options(build_stage(config, grid.pp_rank, pp, grid.tp_group, grid.ep_group), config)
-    model = build_chunks(config, grid.pp_rank, pp, num_chunks, grid.tp_group, grid.ep_group)
+        return _speed_options(build_stage(config, grid.pp_rank, pp, grid.tp_group, grid.ep_group, partition_method),
+                              config)
+    model = build_chunks(config, grid.pp_rank, pp, num_chunks, grid.tp_group, grid.ep_group, partition_method)
     for chunk in model.chunks:
         _speed_options(chunk, config)
     return model

@@ -59,7 +59,9 @@ def build_engine(config: dict, prefix: str, seed: int = 0, model_overrides: dict
     if layout is not None:
         grid = parallel_state.initialize_model_parallel(*layout)
         overrides["tensor_model_parallel_size"] = layout[0]
-    model = parallelize(config_class(**{**tiny, **overrides}), grid, virtual)
+    # the engine config's pipeline.partition_method, as the recipes read it
+    split = config.get("pipeline", {}).get("partition_method", "parameters")
+    model = parallelize(config_class(**{**tiny, **overrides}), grid, virtual, split)
     dataset = GPTDataset(IndexedDataset(prefix), TINY["seq_length"], seed=seed)
     engine, _, loader, _ = megazero.initialize(model=model, training_data=dataset, config=config,
                                                mpu=parallel_state if grid is not None else None)

@@ -299,7 +299,8 @@ def load_engine_checkpoint(engine, load_dir, tag, load_optimizer_states: bool, l
         return path, state["client_state"]
     saved = saved_layout(state)
     # the same ranks in the same places: each rank's own RNG file is its own
-    same_layout = all(saved[k] == mine[k] for k in ("tp", "pp", "dp", "zero_stage")) and not state.get("converted")
+    same_layout = (all(saved[k] == mine[k] for k in ("tp", "pp", "dp", "zero_stage")) and not state.get("converted")
+                   and _same_stage_layers(engine, state))
     # weights only: always per parameter (the ZeRO-3 module file holds no parameters)
     same = same_layout and load_optimizer_states
     names = global_names(engine.module)
@@ -332,6 +333,19 @@ def _any_model_file(path: str) -> str:
     if not found:
         raise CheckpointError(f"{path}: no {MODEL_FILES} file")
     return os.path.basename(found[0])
+
+
+def _same_stage_layers(engine, state: dict) -> bool:
+    """Whether the model file holds this rank's layers: at the same PP size a stage split by another
+    partition method or into other model chunks holds others (its file then loads per parameter).
+    ZeRO-3's module file holds no parameters: its partitioning's own same_layout compares them."""
+    if engine.dp.params_partitioned:
+        return True
+    rename = global_name_of(engine.module)
+    mine = {rename(k) for k in engine.module.state_dict()}
+    params = {rename(name) for name, _ in engine.module.named_parameters()}
+    saved = set(state["module"])
+    return saved <= mine and params <= saved
 
 
 def _local_buffers(engine, state: dict) -> dict:

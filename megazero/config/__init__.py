@@ -260,6 +260,11 @@ class PipelineConfig(Section):
     num_layers_per_virtual_stage: Int | None = Field(
         None, ge=1, description="interleaved 1F1B (Megatron's --num-layers-per-virtual-pipeline-stage, which must "
                                 "agree): each stage holds num_layers / (PP x this) model chunks; null: one chunk")
+    partition_method: Literal["parameters", "compute"] = Field(
+        "parameters", description="which layers each stage holds (--pipeline-partition-method): contiguous ranges "
+                                  "balanced by parameter count (DeepSpeed's default), or by forward FLOPs, the last "
+                                  "stage's output layer and loss over the vocabulary counted as the compute they cost "
+                                  "(Megatron's account_for_loss_in_pipeline_split); checkpoints load at either")
 
 
 # an engine key, not a model one: megazero.tensor_parallel.invariant_dropout's docstring says why
@@ -509,6 +514,12 @@ def validate_config(raw: dict) -> EngineConfig:
         return EngineConfig.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(error_message(EngineConfig, e)) from None
+
+
+def pipeline_partition_method(source: str | os.PathLike | dict) -> str:
+    """The config's `pipeline.partition_method` (validated; "parameters" when not set): what to
+    build the model with, `models.parallelize.parallelize(config, grid, ..., partition_method=it)`."""
+    return validate_config(load_config_source(source)).pipeline.partition_method
 
 
 def virtual_stage_layers(source: str | os.PathLike | dict) -> int | None:

@@ -1,6 +1,25 @@
-"""Which layers each pipeline stage holds: contiguous ranges balanced by parameter count."""
+"""Which layers each pipeline stage holds: contiguous ranges balanced by a weight per layer plus the
+first and last stages' extra work. PARTITION_METHODS names the weights models/parallelize.py offers:
+"parameters" (the default, DeepSpeed PipelineModule's partition_method="parameters") and "compute"
+(forward FLOPs, as Megatron-LM's account_for_embedding/loss_in_pipeline_split: the last stage's
+output layer and loss over the vocabulary count as the compute they cost, the first stage's
+embedding lookup as none)."""
 
 from __future__ import annotations
+
+PARTITION_METHODS = ("parameters", "compute")
+
+
+def layer_forward_flops(hidden: int, seq: int, linear_params: int) -> int:
+    """Forward FLOPs of one transformer layer on one sequence: 2 per weight of its linears per
+    token, plus the attention core (scores and weighted sum: 2 x 2 x seq^2 x hidden)."""
+    return 2 * linear_params * seq + 4 * hidden * seq * seq
+
+
+def head_forward_flops(hidden: int, seq: int, vocab: int, extra_linear_params: int = 0) -> int:
+    """Forward FLOPs of the output layer over the vocabulary (2 x hidden x vocab per token), its
+    softmax cross-entropy (~5 per logit) and any other head linears, on one sequence."""
+    return (2 * (hidden * vocab + extra_linear_params) + 5 * vocab) * seq
 
 
 def balanced_stage_layers(layer_weights: list[int], num_stages: int, first_extra: int = 0,

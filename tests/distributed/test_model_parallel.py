@@ -26,6 +26,7 @@ import torch
 from tests.training_helpers import (
     LAYERS_PER_VIRTUAL_STAGE,
     NO_DROPOUT,
+    TINY,
     base_config,
     build_engine,
     first_step_gradients,
@@ -258,6 +259,38 @@ def test_interleaved_pipeline_with_tensor_parallelism_matches_tp_with_dropout(po
                              INTERLEAVED, (2, 2))
     for result in pipelined:
         _assert_matches(alone[0], result)
+
+
+# ---- the compute-balanced stage split (pipeline.partition_method "compute") ---------------------
+# 4 layers, hidden 32, vocabulary 1024: the output layer and loss cost ~2.5 layers, so the compute
+# split puts layers 0-2 on the first stage and layer 3 with the head on the last, where the
+# parameter split (embeddings ~ output layer's copy) puts two on each.
+COMPUTE_SPLIT_MODEL = {"num_layers": 4, "hidden_size": 32, "vocab_size": 1024}
+
+
+def test_compute_split_matches_single_process_and_its_checkpoint_loads_at_any_split(pools,
+                                                                                    token_dataset_prefix_module,
+                                                                                    tmp_path):
+    """PP=2 split by compute (3 + 1 layers) trains as one process, dropout on; its checkpoint (saved
+    at step 4) loads in one process and at PP=2 split by parameters (2 + 2), which go on to train as
+    it did."""
+    from models.gpt import GPTConfig
+    from models.parallelize import stage_layers
+
+    whole = GPTConfig(**{**TINY, **COMPUTE_SPLIT_MODEL})
+    assert stage_layers(whole, 2, "compute") == [range(0, 3), range(3, 4)]
+    assert stage_layers(whole, 2) == [range(0, 2), range(2, 4)]
+    save_dir, prefix = str(tmp_path / "ckpt"), token_dataset_prefix_module
+    reference = pools(1).run(train, _config(0, 2), prefix, STEPS, 0, None, None, None, COMPUTE_SPLIT_MODEL)[0]
+    compute = _config(0, 2, pipeline={"partition_method": "compute"})
+    results = pools(2).run(train, compute, prefix, STEPS, 0, save_dir, SAVE_AT, None, COMPUTE_SPLIT_MODEL, (1, 2))
+    for result in results:
+        _assert_matches(reference, result)
+    resumed = pools(1).run(train, _config(0, 2), prefix, STEPS, 0, None, None, save_dir, COMPUTE_SPLIT_MODEL)[0]
+    _assert_matches(results[0], resumed, SAVE_AT)
+    for result in pools(2).run(train, _config(0, 2), prefix, STEPS, 0, None, None, save_dir, COMPUTE_SPLIT_MODEL,
+                               (1, 2)):
+        _assert_matches(results[0], result, SAVE_AT)
 
 
 def _evaluate(prefix: str, model_overrides: dict, layout: tuple[int, int] | None) -> list[float]:
