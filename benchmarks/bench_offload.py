@@ -233,8 +233,12 @@ def _ds_config(args, device: str) -> dict:
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
             "zero_optimization": {"stage": 3, "reduce_bucket_size": args.bucket, "sub_group_size": args.sub_group_size,
                                   "offload_optimizer": {"device": device, **nvme},
-                                  "offload_param": {"device": device, **nvme, "buffer_count": 5,
-                                                    "buffer_size": 10_000_000, "max_in_cpu": 0}},
+                                  # DeepSpeed holds a buffer per partitioned parameter fetched or prefetched
+                                  # (its default 5 failed here: "Not enough buffers 0 for swapping 1"):
+                                  # enough for every weight of this small model, each the largest one's size
+                                  "offload_param": {"device": device, **nvme, "buffer_count": 6 * args.layers + 4,
+                                                    "buffer_size": max(args.vocab, 4 * args.hidden) * args.hidden,
+                                                    "max_in_cpu": 0}},
             "aio": {"block_size": 1048576, "queue_depth": 8, "thread_count": 1, "single_submit": False,
                     "overlap_events": True},
             "steps_per_print": 10**9}

@@ -558,12 +558,12 @@ def train_loop(engine, loader, args, log: ProgressLog, stop: StopSignal, rank: i
 
 def train(args: argparse.Namespace, model: torch.nn.Module, train_data, *, grid, name: str, num_params: int,
           flops_per_token: float, validate: Callable[..., float], finish: Callable[..., dict],
-          details: Callable[[float], str] | None = None) -> dict:
+          details: Callable[[float], str] | None = None, active_params: int | None = None) -> dict:
     """Run a recipe: the engine over `model` (this rank's part, from the script) and `train_data`
     with the flags' engine config, resume from --load, print the header line ("<name>: <params>
-    parameters, <layout>, <details(peak FLOP/s)>"), train to --train-iters calling validate(engine)
-    every --eval-interval, then return finish(engine, last validation loss or None, stop reason:
-    None, "time" or "signal") once the process group is done with."""
+    parameters [(<active_params> active per token: MoE)], <layout>, <details(peak FLOP/s)>"), train
+    to --train-iters calling validate(engine) every --eval-interval, then return finish(engine, last
+    validation loss or None, stop reason: None, "time" or "signal") once the process group is done with."""
     rank = dist.get_rank()
     if torch.cuda.is_available():
         model = model.cuda(torch.cuda.current_device())
@@ -583,7 +583,8 @@ def train(args: argparse.Namespace, model: torch.nn.Module, train_data, *, grid,
     if rank == 0:
         extra = f", {details(peak)}" if details is not None else ""
         ep = f" (EP {grid.expert_model_parallel_size})" if grid.expert_model_parallel_size > 1 else ""
-        print(f"{name}: {num_params:,} parameters, {dist.get_world_size()} ranks = TP "
+        active = f" ({active_params:,} active per token)" if active_params not in (None, num_params) else ""
+        print(f"{name}: {num_params:,} parameters{active}, {dist.get_world_size()} ranks = TP "
               f"{grid.tensor_model_parallel_size} x PP {grid.pipeline_model_parallel_size} x DP "
               f"{grid.data_parallel_size}{ep}, batch {engine.train_batch_size()} = "
               f"{engine.train_micro_batch_size_per_gpu()} x {engine.gradient_accumulation_steps()} x "

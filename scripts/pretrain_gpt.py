@@ -46,7 +46,7 @@ def main(argv=None) -> dict:
     run = causal_lm_run(args, model, tokenizer, grid, rank)
 
     return training.train(args, model, run.data.train, grid=grid, name="GPT", num_params=num_params,
-                          flops_per_token=flops, validate=run.validate, finish=run.finish,
+                          flops_per_token=flops, validate=run.validate, finish=run.finish, active_params=active,
                           details=lambda peak: f"peak {peak / 1e9:.1f} GFLOP/s per rank")
 
 

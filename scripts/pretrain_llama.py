@@ -59,7 +59,7 @@ def main(argv=None) -> dict:
 
     groups = f"{config.num_query_groups} key/value groups for {config.num_attention_heads} heads"
     return training.train(args, model, run.data.train, grid=grid, name="Llama", num_params=num_params,
-                          flops_per_token=flops, validate=run.validate, finish=run.finish,
+                          flops_per_token=flops, validate=run.validate, finish=run.finish, active_params=active,
                           details=lambda peak: f"{groups}, peak {peak / 1e9:.1f} GFLOP/s per rank")
 
 
