@@ -499,11 +499,17 @@ class StopSignal:
 
     def __init__(self, signals=(signal.SIGTERM, signal.SIGUSR1)):
         self.received: int | None = None
-        for sig in signals:
-            signal.signal(sig, self._handle)
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in signals}
 
     def _handle(self, signum, frame) -> None:
         self.received = signum
+
+    def restore(self) -> None:
+        """Put back the handlers there were before (a recipe run in-process, as tests do, must not
+        leave its own: processes forked later inherit it, and Pool.terminate()'s SIGTERM would no
+        longer stop them)."""
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
 
 def save_or_stop(engine, args, it: int, rank: int, last: bool = False) -> None:
@@ -590,13 +596,16 @@ def train(args: argparse.Namespace, model: torch.nn.Module, train_data, *, grid,
               f"{engine.train_micro_batch_size_per_gpu()} x {engine.gradient_accumulation_steps()} x "
               f"{engine.dp_world_size}, {engine.config.compute_dtype}{extra}", flush=True)
     stop = StopSignal()
-    val_loss, reason = train_loop(engine, loader, args, ProgressLog(engine, args, flops_per_token, peak, rank), stop,
-                                  rank, lambda: validate(engine))
-    if reason == "signal" and rank == 0:
-        print(f"received {signal.Signals(stop.received).name}: checkpoint saved at iteration "
-              f"{engine.global_steps}, exiting", flush=True)
-    result = finish(engine, val_loss, reason)
-    engine.monitor.close()
-    dist.barrier()
-    dist.destroy_process_group()
+    try:
+        val_loss, reason = train_loop(engine, loader, args, ProgressLog(engine, args, flops_per_token, peak, rank),
+                                      stop, rank, lambda: validate(engine))
+        if reason == "signal" and rank == 0:
+            print(f"received {signal.Signals(stop.received).name}: checkpoint saved at iteration "
+                  f"{engine.global_steps}, exiting", flush=True)
+        result = finish(engine, val_loss, reason)
+        engine.monitor.close()
+        dist.barrier()
+        dist.destroy_process_group()
+    finally:
+        stop.restore()
     return result

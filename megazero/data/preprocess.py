@@ -19,6 +19,7 @@ import itertools
 import math
 import multiprocessing
 import re
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -139,6 +140,13 @@ def encode_chunk(chunk: list[tuple[int, str]]) -> dict[int, Encoded]:
     return out
 
 
+def _worker_init(initializer: Callable, initargs: tuple) -> None:
+    # a forked worker inherits the parent's Python signal handlers; Pool.terminate() (leaving the
+    # `with`) stops workers still waiting for the queue's lock with SIGTERM, which must end them
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    initializer(*initargs)
+
+
 def ordered_map(fn: Callable, items: Iterable, workers: int, initializer: Callable, initargs: tuple) -> Iterator:
     """fn(item) for each item, in order: inline for 1 worker, else in a process pool with at most
     2 items per worker in flight (Pool.imap would read the whole input ahead)."""
@@ -147,7 +155,7 @@ def ordered_map(fn: Callable, items: Iterable, workers: int, initializer: Callab
         yield from map(fn, items)
         return
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    with multiprocessing.get_context(method).Pool(workers, initializer, initargs) as pool:
+    with multiprocessing.get_context(method).Pool(workers, _worker_init, (initializer, initargs)) as pool:
         pending: collections.deque = collections.deque()
         for item in items:
             pending.append(pool.apply_async(fn, (item,)))
