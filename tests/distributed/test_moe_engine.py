@@ -6,14 +6,11 @@ mode (capacity factor 1.0: it drops tokens; ZeRO 2). Then the checkpoint the EP=
 in the single process (EP=1, DP=1: experts re-cut, ZeRO partitions joined) and continues as the
 EP=2 run does.
 
-Dropout is 0 in this first comparison, as it must be with the default dropout masks: the engine
-draws them per micro-batch (MicroBatchStreams, keyed by step and micro-batch index), while an MoE
-layer at EP=2 routes the tokens of both DP ranks' micro-batches together (capacity and the
-load-balancing loss are over the EP group's tokens), so the single process that routes the same
-tokens together takes them as one micro-batch and draws one mask where the EP run draws two.
-With `dropout_masks.layout_invariant` (per-sample masks) that holds with dropout on: the
-model-parallel comparison below runs that way, as does
-tests/distributed/test_layout_invariant_dropout.py at EP=2 on DP=2.
+Dropout is 0.1 throughout, with `dropout_masks.layout_invariant` (per-sample masks): the default
+masks are keyed per micro-batch, while an MoE layer at EP=2 routes the tokens of both DP ranks'
+micro-batches together (capacity and the load-balancing loss are over the EP group's tokens), so
+the single process that routes the same tokens together takes them as one micro-batch and would
+draw one mask where the EP run draws two.
 
 The same at EP=2 x TP=2, at EP=2 x PP=2 and at EP=2 x TP=2 with sequence parallelism (the MoE
 layers gather the sequence over TP: megazero/moe/sequence.py), and the MoE Llama (SwiGLU experts) at
@@ -44,7 +41,7 @@ from models.parallelize import parallelize
 VOCAB, SEQ, BATCH, STEPS, MORE = 64, 16, 4, 10, 2
 LOSS_RTOL, PARAM_ATOL = 1e-5, 2e-5
 MODES = {"dropless": (None, 1), "capacity": (1.0, 2)}  # mode: (capacity factor, ZeRO stage)
-DROPOUT = 0.1  # of the model-parallel layouts and their reference, with layout-invariant masks
+DROPOUT = 0.1  # of every run here, with layout-invariant masks
 STATS = ("dropped_fraction", "tokens_per_expert_min", "tokens_per_expert_max")
 
 
@@ -148,7 +145,7 @@ def run_expert_parallel(save_dir: str) -> dict:
     """Each mode at EP=2 (DP=2): 10 steps, save, 2 more."""
     out = {}
     for mode, (factor, stage) in MODES.items():
-        engine = _engine(factor, stage, 2)
+        engine = _engine(factor, stage, 2, dropout=DROPOUT)
         out[mode] = _train(engine, STEPS)
         engine.save_checkpoint(f"{save_dir}/{mode}", "ep2")
         out[mode]["next"] = _train(engine, MORE, start=STEPS)
@@ -160,8 +157,8 @@ def run_single_process(save_dir: str) -> dict:
     checkpoint and trains the 2 steps that followed it."""
     out = {}
     for mode, (factor, stage) in MODES.items():
-        out[mode] = _train(_engine(factor, 0, None), STEPS)
-        loaded = _engine(factor, stage, None)
+        out[mode] = _train(_engine(factor, 0, None, dropout=DROPOUT), STEPS)
+        loaded = _engine(factor, stage, None, dropout=DROPOUT)
         loaded.load_checkpoint(f"{save_dir}/{mode}", "ep2")
         assert loaded.global_steps == STEPS
         out[mode]["next"] = _train(loaded, MORE, start=STEPS)
