@@ -71,6 +71,7 @@ def pipelined_generate(module: torch.nn.Module, grid, input_ids: torch.Tensor, m
             token = torch.empty(input_ids.shape[0], 1, dtype=torch.long, device=device)
         dist.broadcast(token, src=grid.pp_ranks[-1], group=grid.pp_group)
         input_ids = torch.cat([input_ids, token], dim=1)
+    links.flush()  # the sends (which return once posted) all complete
     return input_ids
 
 

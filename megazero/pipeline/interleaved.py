@@ -12,6 +12,12 @@ Every step of the schedule is one exchange with both neighbours (StageLinks.exch
 the next stage and/or the previous one, a receive from either), and on each link the two sides'
 exchanges pair up step by step, as in Megatron's p2p_communication, so the strict p2p mode of
 megazero.pipeline.p2p (sends posted only once the peer's receive is) runs it as well.
+
+Communication overlaps compute (Megatron's overlap_p2p_comm): an exchange's sends stay pending
+until the flush at the end of the schedule, and what it receives is kept as an Incoming handle,
+waited only when the forward or backward that needs it starts; in the steady state the gradient
+for the next backward arrives while the next forward computes. What is posted, and in which
+order, is unchanged, so the pairing above still holds.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from megazero.pipeline.p2p import StageLinks
+from megazero.pipeline.p2p import StageLinks, resolve
 
 
 def interleaved_bubble_fraction(num_stages: int, num_microbatches: int, num_chunks: int) -> float:
@@ -84,6 +90,7 @@ def interleaved_one_f_one_b(num_microbatches: int, stage: int, num_stages: int, 
         c = chunk_of(k, True)
         if first_rank and c == 0:
             inputs[c].append(None)
+        inputs[c][-1] = resolve(inputs[c][-1])  # received: wait for it now, right before its use
         output = forward_step(c, micro_of(k), inputs[c][-1])
         outputs[c].append(output)
         return None if last_rank and c == v - 1 else output
@@ -93,29 +100,31 @@ def interleaved_one_f_one_b(num_microbatches: int, stage: int, num_stages: int, 
         c = chunk_of(k, False)
         if last_rank and c == v - 1:
             output_grads[c].append(None)
-        received, output, grad = inputs[c].pop(0), outputs[c].pop(0), output_grads[c].pop(0)
+        received, output, grad = inputs[c].pop(0), outputs[c].pop(0), resolve(output_grads[c].pop(0))
         backward_step(c, micro_of(k), output, grad)
         return None if first_rank and c == 0 else received.grad
 
     if not first_rank:
-        inputs[0].append(links.exchange(recv_prev=True)[0])
+        inputs[0].append(links.exchange(recv_prev=True, wait=False)[0])
     for k in range(warmup):
         output = run_forward(k)
         next_chunk = chunk_of(k + 1, True)
         recv_prev = not (first_rank and next_chunk == 0) and k != total - 1
         if k == warmup - 1 and warmup < total:  # the steady state's first gradient comes with it
-            received, grad = links.exchange(send_next=output, recv_prev=recv_prev, recv_next=not last_rank)
+            received, grad = links.exchange(send_next=output, recv_prev=recv_prev, recv_next=not last_rank,
+                                            wait=False)
             if not last_rank:
                 output_grads[v - 1].append(grad)
         elif group < p:  # forward only, m < p: the input to receive may be the output just sent,
             # come round the ring; its header would wait for this send's tensor: send, then receive
             links.exchange(send_next=output)
-            received, _ = links.exchange(recv_prev=recv_prev)
+            received, _ = links.exchange(recv_prev=recv_prev, wait=False)
         else:
-            received, _ = links.exchange(send_next=output, recv_prev=recv_prev)
+            received, _ = links.exchange(send_next=output, recv_prev=recv_prev, wait=False)
         if recv_prev:
             inputs[next_chunk].append(received)
     if forward_only:
+        links.flush()
         return
 
     remaining = total - warmup
@@ -140,18 +149,19 @@ def interleaved_one_f_one_b(num_microbatches: int, stage: int, num_stages: int, 
         if i == remaining - 1:
             recv_prev = False
         received, grad = links.exchange(send_next=output, send_prev=input_grad, recv_prev=recv_prev,
-                                        recv_next=recv_next)
+                                        recv_next=recv_next, wait=False)
         if recv_prev:
             inputs[next_forward].append(received)
         if recv_next:
             output_grads[next_backward].append(grad)
 
     if remaining == 0 and not last_rank:  # all warm-up (m == p): the first gradient is still to come
-        output_grads[v - 1].append(links.exchange(recv_next=True)[1])
+        output_grads[v - 1].append(links.exchange(recv_next=True, wait=False)[1])
     for k in range(remaining, total):
         input_grad = run_backward(k)
         next_backward = chunk_of(k + 1, False)
         recv_next = not (last_rank and next_backward == v - 1) and k != total - 1
-        _, grad = links.exchange(send_prev=input_grad, recv_next=recv_next)
+        _, grad = links.exchange(send_prev=input_grad, recv_next=recv_next, wait=False)
         if recv_next:
             output_grads[next_backward].append(grad)
+    links.flush()  # every send complete: the tensors they read may be freed

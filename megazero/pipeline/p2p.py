@@ -18,6 +18,18 @@ gloo's sends never block, which hides such a dependence. Strict mode (MEGAZERO_P
 receive (a flag per message through the default process group's store), so an exchange that relies
 on a send completing before the peer's receive is posted fails with an error naming both ranks,
 instead of passing on gloo and hanging on NCCL.
+
+Sends do not block compute: a send's works are kept (with its tensor, which must not be reused
+until then) in StageLinks.pending, and the schedule goes on computing while the message travels;
+`flush()`, at the end of every schedule, waits all of them, and surfaces a failed or timed-out
+send as an error naming both ranks (a completed send is checked, and dropped, whenever the link
+posts more). Receives can be waited late as well: `exchange(..., wait=False)` returns `Incoming`
+handles, which the interleaved schedule waits right before the forward or backward that uses them
+(the gradient for the next backward arrives while the next forward computes). What is posted, and
+in which order, is what it was with every operation waited at once: deferring a wait never makes
+one rank wait on another where it did not before, so the ordering arguments above still hold.
+On NCCL a wait only orders the compute stream after the communication, so there the gain is that
+compute is not ordered after sends it does not need.
 """
 
 from __future__ import annotations
@@ -124,6 +136,29 @@ def _wait(works: list) -> None:
         work.wait()
 
 
+class Incoming:
+    """A posted receive: `wait()` returns the tensor once it has arrived (a leaf that will receive
+    a gradient when it is an activation). Waiting where the tensor is first used, rather than
+    where it was posted, lets the message travel while this rank computes."""
+
+    def __init__(self, links: StageLinks, works: list, tensor: torch.Tensor, activation: bool):
+        self._links, self._works, self._tensor, self._activation = links, works, tensor, activation
+
+    def wait(self) -> torch.Tensor:
+        """The received tensor (waits for it on the first call)."""
+        if self._works is not None:
+            works, self._works = self._works, None
+            self._links._timed(_wait, works)
+            if self._activation:
+                self._tensor.requires_grad_()
+        return self._tensor
+
+
+def resolve(value):
+    """`value`, or the tensor of an Incoming (waited for now)."""
+    return value.wait() if isinstance(value, Incoming) else value
+
+
 def input_shapes(batches: list) -> tuple | None:
     """The shapes and dtypes of a schedule's micro-batches (mappings or sequences of tensors), when
     they are all the same (a StageLinks shape_key: a stage's output shape follows from them); else
@@ -159,15 +194,20 @@ class StageLinks:
         self.timer = timers("pipe_send_recv") if timers is not None else None  # time spent exchanging
         self.shapes = shapes if shape_key is not None else None
         self.shape_key = shape_key
+        # sends posted and not yet known complete: (works, tensor kept alive for them, what, peer)
+        self.pending: list[tuple[list, torch.Tensor, str, int]] = []
+        self._timing = False
 
     def _timed(self, fn, *args):
-        if self.timer is None:
+        if self.timer is None or self._timing:  # a wait inside a timed exchange is timed already
             return fn(*args)
+        self._timing = True
         self.timer.start()
         try:
             return fn(*args)
         finally:
             self.timer.stop()
+            self._timing = False
 
     def _header(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.dim() > _MAX_DIMS:
@@ -190,17 +230,65 @@ class StageLinks:
         key = (tag, src, dst, self.shape_key)
         return key, self.shapes.get(key)
 
-    def _transfer(self, sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[int, int]]) -> list:
+    def _keep(self, works: list, tensor: torch.Tensor, what: str, peer: int) -> None:
+        """Keep a posted send until it is known complete (flush, or a later post's check)."""
+        self.pending.append((works, tensor, what, peer))
+
+    def _send_failed(self, what: str, peer: int, error: Exception) -> RuntimeError:
+        return RuntimeError(f"pipeline p2p: rank {self.me}'s send of {what} to rank {peer} failed: {error}")
+
+    def _drop_completed(self) -> None:
+        """Forget the pending sends that have completed (raising a failed one's error), so that
+        the list stays short and an error shows at the next post, not only at the flush."""
+        kept = []
+        for entry in self.pending:
+            works, _, what, peer = entry
+            if all(work.is_completed() for work in works):
+                try:
+                    _wait(works)  # returns at once; raises the error of a failed send
+                except RuntimeError as e:
+                    raise self._send_failed(what, peer, e) from e
+            else:
+                kept.append(entry)
+        self.pending = kept
+
+    def _post(self, sends: list[tuple[torch.Tensor, int, int, str]],
+              recvs: list[tuple[torch.Tensor, int, int]]) -> list:
+        """Post one batch: each send (tensor, peer, tag, what) is kept pending, not waited; returns
+        the works to wait for the receives (tensor, peer, tag), in their order. On NCCL a batch is
+        one coalesced work (the sends' too: waiting it orders the stream after the whole batch)."""
+        ops = ([dist.P2POp(dist.isend, t, peer, self.group, tag) for t, peer, tag, _ in sends]
+               + [dist.P2POp(dist.irecv, t, peer, self.group, tag) for t, peer, tag in recvs])
+        if not ops:
+            return []
+        works = post(ops)
+        if strict_mode():  # post() gives the receives' works first
+            works = works[len(recvs):] + works[:len(recvs)]
+        if len(works) != len(ops):  # coalesced: one work (or a few) for the whole batch
+            for tensor, peer, _, what in sends:
+                self._keep(works, tensor, what, peer)
+            return [works] * len(recvs)
+        for (tensor, peer, _, what), work in zip(sends, works):
+            self._keep([work], tensor, what, peer)
+        return [[work] for work in works[len(sends):]]
+
+    def _transfer(self, sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[int, int]]) -> list[Incoming]:
         """Send each (tensor, peer, tag) and receive one tensor per (peer, tag): the headers not
         remembered in one batch, then the tensors in the next. Activations travel under one tag
         and gradients under another: on 2 stages in a ring the previous and the next stage are one
         rank, whose two messages must not be confused. Both sides list a step's messages in the
-        same order (activations, then gradients), so strict mode's per-pair counts agree."""
-        header_ops = []
+        same order (activations, then gradients), so strict mode's per-pair counts agree.
+
+        Only the received headers are waited here (they size the tensors to receive); the sends
+        stay pending (flush) and the tensors' receives are returned as Incoming handles. A pair's
+        messages of one tag arrive in the order they were posted, so a header or tensor still in
+        flight from an earlier step is matched before this step's."""
+        self._drop_completed()
+        header_sends, header_recvs = [], []
         for tensor, peer, tag in sends:
             key, shape = self._cached(tag, self.me, peer)
             if shape is None:
-                header_ops.append(dist.P2POp(dist.isend, self._header(tensor), peer, self.group, tag))
+                header_sends.append((self._header(tensor), peer, tag, "a shape header"))
                 if key is not None:
                     self.shapes[key] = tuple(tensor.shape)
             elif shape != tuple(tensor.shape):
@@ -214,48 +302,67 @@ class StageLinks:
             if shape is None:
                 header = self._empty_header()
                 headers.append((len(shapes) - 1, key, header))
-                header_ops.append(dist.P2POp(dist.irecv, header, peer, self.group, tag))
-        if header_ops:
-            _wait(post(header_ops))
+                header_recvs.append((header, peer, tag))
+        for works in self._post(header_sends, header_recvs):
+            _wait(works)
         for index, key, header in headers:
             shapes[index] = self._shape_of(header)
             if key is not None:
                 self.shapes[key] = shapes[index]
         received = [torch.empty(shape, dtype=self.dtype, device=self.device) for shape in shapes]
-        _wait(post([dist.P2POp(dist.isend, t, peer, self.group, tag) for t, peer, tag in sends]
-                   + [dist.P2POp(dist.irecv, r, peer, self.group, tag) for r, (peer, tag) in zip(received, recvs)]))
-        return received
+        what = {_ACTIVATION: "an activation", _GRADIENT: "a gradient"}
+        works = self._post([(t, peer, tag, what[tag]) for t, peer, tag in sends],
+                           [(r, peer, tag) for r, (peer, tag) in zip(received, recvs)])
+        return [Incoming(self, w, r, tag == _ACTIVATION) for w, r, (_, tag) in zip(works, received, recvs)]
+
+    @watched("p2p flush (this stage's pending sends)")
+    def flush(self, timeout: datetime.timedelta | None = None) -> None:
+        """Wait every pending send (the end of a schedule: its tensors may then be freed). A send
+        that failed, or is not complete within `timeout` (default: the process group's), raises
+        an error naming both ranks; the sends not yet known complete then stay pending (their
+        tensors alive), so the link is not left sending from freed memory."""
+        def wait_all() -> None:
+            while self.pending:
+                works, _, what, peer = self.pending[0]
+                try:
+                    for work in works:
+                        work.wait() if timeout is None else work.wait(timeout)
+                except RuntimeError as e:
+                    raise self._send_failed(what, peer, e) from e
+                self.pending.pop(0)
+
+        self._timed(wait_all)
 
     def _send(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
         self._transfer([(tensor.detach().contiguous(), peer, tag)], [])
 
     def _recv(self, peer: int, tag: int) -> torch.Tensor:
-        return self._transfer([], [(peer, tag)])[0]
+        return self._transfer([], [(peer, tag)])[0].wait()
 
     def _exchange(self, tensor: torch.Tensor, peer: int, send_tag: int) -> torch.Tensor:
         """Send `tensor` to `peer` while receiving one from it (the peer does the same exchange,
         mirrored): an activation sent meets a gradient received, and the other way round."""
         recv_tag = _GRADIENT if send_tag == _ACTIVATION else _ACTIVATION
-        return self._transfer([(tensor.detach().contiguous(), peer, send_tag)], [(peer, recv_tag)])[0]
+        return self._transfer([(tensor.detach().contiguous(), peer, send_tag)], [(peer, recv_tag)])[0].wait()
 
-    def _exchange_both(self, send_next, send_prev, recv_prev: bool, recv_next: bool):
+    def _exchange_both(self, send_next, send_prev, recv_prev: bool, recv_next: bool, wait: bool):
         sends = [(t.detach().contiguous(), self.next, _ACTIVATION) for t in [send_next] if t is not None]
         sends += [(t.detach().contiguous(), self.prev, _GRADIENT) for t in [send_prev] if t is not None]
         recvs = ([(self.prev, _ACTIVATION)] if recv_prev else []) + ([(self.next, _GRADIENT)] if recv_next else [])
-        received = iter(self._transfer(sends, recvs))
-        from_prev = next(received).requires_grad_() if recv_prev else None
-        return from_prev, next(received) if recv_next else None
+        received = iter(incoming.wait() if wait else incoming for incoming in self._transfer(sends, recvs))
+        return next(received) if recv_prev else None, next(received) if recv_next else None
 
     @watched("p2p exchange with both neighbours")
     def exchange(self, send_next: torch.Tensor | None = None, send_prev: torch.Tensor | None = None,
-                 recv_prev: bool = False, recv_next: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                 recv_prev: bool = False, recv_next: bool = False, wait: bool = True) -> tuple:
         """One step of the interleaved schedule: send an output to the next stage and/or an input
         gradient to the previous one while receiving an input from the previous stage and/or an
-        output gradient from the next (headers of all four in one batch, then the tensors).
-        Returns (input from prev, a leaf that will receive a gradient; gradient from next)."""
+        output gradient from the next (headers of all four in one batch, then the tensors; the
+        sends stay pending until flush). Returns (input from prev, a leaf that will receive a
+        gradient; gradient from next); wait=False: as Incoming handles, to wait right before use."""
         if send_next is None and send_prev is None and not recv_prev and not recv_next:
             return None, None
-        return self._timed(self._exchange_both, send_next, send_prev, recv_prev, recv_next)
+        return self._timed(self._exchange_both, send_next, send_prev, recv_prev, recv_next, wait)
 
     @watched("p2p recv forward (the previous stage's output)")
     def recv_forward(self) -> torch.Tensor:

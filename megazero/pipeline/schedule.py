@@ -11,6 +11,10 @@ receives, each send_forward_recv_backward of s meets a send_backward_recv_forwar
 the cool-down receives of s meet the sends of s + 1. That is what lets StageLinks post every
 exchange as two batches (headers, then tensors) without a send waiting on a receive the peer has
 not posted (tests/distributed/test_pipeline_p2p.py runs the schedule in p2p's strict mode).
+
+Sends do not block: each returns once posted, the stage goes on to its next forward or backward
+while the message travels, and the schedule ends with StageLinks.flush(), which waits for every
+send still pending (and raises a failed one's error).
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ def one_f_one_b(num_microbatches: int, stage: int, num_stages: int, links: Stage
         if not last:
             links.send_forward(output)
     if forward_only:
+        links.flush()
         return
     remaining = num_microbatches - warmup
     received = None if first or remaining == 0 else links.recv_forward()
@@ -75,3 +80,4 @@ def one_f_one_b(num_microbatches: int, stage: int, num_stages: int, links: Stage
         input_grad = run_backward(None if last else links.recv_backward())
         if not first:
             links.send_backward(input_grad)
+    links.flush()  # every send complete: the tensors they read may be freed

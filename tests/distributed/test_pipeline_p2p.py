@@ -7,6 +7,7 @@ gradients of the whole model (float64: equal to ~1e-12)."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -174,3 +175,81 @@ def test_interleaving_needs_a_multiple_of_the_stages():
                                          r"pipeline-parallel size 4"):
         check_interleaving(6, STAGES, CHUNKS)
     check_interleaving(6, STAGES, 1)  # plain 1F1B takes any number
+
+
+def _send_while_the_receiver_waits(delay: float) -> dict:
+    """Rank 0 sends an activation (4 MB, beyond any buffering) that rank 1 posts its receive of
+    only `delay` seconds later; rank 0 notes when its send returned and when its flush did."""
+    rank = dist.get_rank()
+    links = StageLinks([0, 1], rank, dist.group.WORLD, torch.float32, torch.device("cpu"))
+    message = torch.arange(1 << 20, dtype=torch.float32)
+    dist.barrier()
+    if rank == 0:
+        links.send_forward(message)
+        sent, pending = time.time(), len(links.pending)
+        links.flush()
+        return {"sent": sent, "pending": pending, "flushed": time.time(), "left": len(links.pending)}
+    time.sleep(delay)
+    posted = time.time()
+    received = links.recv_forward()
+    return {"posted": posted, "equal": torch.equal(received, message), "leaf": received.requires_grad}
+
+
+def test_a_send_returns_before_the_peer_posts_its_receive_and_the_flush_waits_for_it(pools):
+    sender, receiver = pools(2).run(_send_while_the_receiver_waits, 0.5)
+    assert receiver["equal"] and receiver["leaf"]
+    assert sender["sent"] < receiver["posted"], "send_forward blocked until the peer posted its receive"
+    assert sender["pending"] == 2 and sender["left"] == 0  # its shape header and the tensor
+    # the send could not complete before the receive was posted: the flush is what waited for it
+    assert sender["flushed"] >= receiver["posted"]
+
+
+class _RecordingLinks(StageLinks):
+    """StageLinks remembering every send's works it kept pending."""
+
+    def _keep(self, works, tensor, what, peer):
+        self.kept = getattr(self, "kept", []) + list(works)
+        super()._keep(works, tensor, what, peer)
+
+
+def _schedules_leave_nothing_pending() -> list[tuple[int, int, bool]]:
+    """1F1B (5 micro-batches, training and forward only) and the interleaved schedule (8, both):
+    after each, (sends kept, still pending, all of them complete)."""
+    from megazero.pipeline import interleaved_one_f_one_b
+
+    stage = dist.get_rank()
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(WIDTH, WIDTH, dtype=torch.float64) for _ in range(STAGES * CHUNKS)]
+    inputs = _inputs(8)
+    results = []
+    for chunks in (1, CHUNKS):
+        for forward_only in (False, True):
+            links = _RecordingLinks(list(range(STAGES)), stage, dist.group.WORLD, torch.float64, torch.device("cpu"),
+                                    ring=chunks > 1)
+            last_chunk = chunks - 1
+
+            def forward_step(c: int, m: int, received, chunks=chunks, last_chunk=last_chunk):
+                x = inputs[m] if received is None else received
+                return _loss(layers[c * STAGES + stage], x, stage == STAGES - 1 and c == last_chunk)
+
+            def backward_step(c: int, m: int, output, output_grad) -> None:
+                torch.autograd.backward(output, output_grad)
+
+            backward = None if forward_only else backward_step
+            if chunks == 1:
+                one_f_one_b(5, stage, STAGES, links, lambda m, x: forward_step(0, m, x),
+                            backward and (lambda m, y, g: backward_step(0, m, y, g)), forward_only)
+            else:
+                interleaved_one_f_one_b(8, stage, STAGES, chunks, links, forward_step, backward, forward_only)
+            kept = getattr(links, "kept", [])
+            results.append((len(kept), len(links.pending), all(work.is_completed() for work in kept)))
+    return results
+
+
+def test_every_schedule_ends_with_all_its_sends_complete(pools):
+    for stage, results in enumerate(pools(STAGES).run(_schedules_leave_nothing_pending)):
+        for (kept, pending, complete), case in zip(results, ["1F1B", "1F1B forward only", "interleaved",
+                                                             "interleaved forward only"]):
+            # only the last stage of a forward-only 1F1B sends nothing
+            assert kept > 0 or (case == "1F1B forward only" and stage == STAGES - 1), (stage, case)
+            assert pending == 0 and complete, f"stage {stage}, {case}: {pending} sends left pending"
