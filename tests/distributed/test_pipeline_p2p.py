@@ -6,6 +6,7 @@ gradients of the whole model (float64: equal to ~1e-12)."""
 
 from __future__ import annotations
 
+import datetime
 import os
 import time
 
@@ -253,3 +254,28 @@ def test_every_schedule_ends_with_all_its_sends_complete(pools):
             # only the last stage of a forward-only 1F1B sends nothing
             assert kept > 0 or (case == "1F1B forward only" and stage == STAGES - 1), (stage, case)
             assert pending == 0 and complete, f"stage {stage}, {case}: {pending} sends left pending"
+
+
+def _timed_out_send() -> str | None:
+    """Rank 0 sends on a link of its own (a timed-out gloo send closes its group's connections)
+    to rank 1, which never receives; rank 0's flush waits 0.3 s. Returns its error."""
+    group = dist.new_group([0, 1])
+    rank = dist.get_rank()
+    links = StageLinks([0, 1], rank, group, torch.float32, torch.device("cpu"))
+    error = None
+    if rank == 0:
+        links.send_forward(torch.ones(1 << 16))
+        try:
+            links.flush(timeout=datetime.timedelta(seconds=0.3))
+        except RuntimeError as e:
+            error = f"{e} (pending {len(links.pending)})"
+    dist.barrier()
+    dist.destroy_process_group(group)
+    return error
+
+
+def test_a_timed_out_send_surfaces_at_the_flush(pools):
+    error, _ = pools(2).run(_timed_out_send)
+    assert error is not None, "the flush returned although rank 1 never received"
+    assert "pipeline p2p: rank 0's send of a shape header to rank 1 failed" in error and "Timed out" in error, error
+    assert error.endswith("(pending 2)"), error  # kept: gloo may still read the tensors
