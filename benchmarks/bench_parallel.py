@@ -66,7 +66,8 @@ def bubble_layouts(world: int, methods: tuple[str, ...] = ("parameters",)) -> di
                 layouts[f"pp{world}_m{m}_v{v}{suffix}"] = {**common, "pp": world, "micro": 1, "chunks": v,
                                                            "split": method}
     # the case with a shape header on every p2p message, as before the shape cache
-    layouts[f"pp{world}_m8_v1_headers"] = {**layouts[f"pp{world}_m8_v1"], "headers": True}
+    if "parameters" in methods:
+        layouts[f"pp{world}_m8_v1_headers"] = {**layouts[f"pp{world}_m8_v1"], "headers": True}
     return layouts
 
 

@@ -3,7 +3,7 @@ time of one layer of each kind, of the first stage's extra work (embeddings) and
 stage's (final norm, output layer and loss), timed at build time on a micro-batch of the run's
 shape on the run's device, so that the split follows what this machine spends, not what the
 FLOP count predicts (on a CPU the output layer's one large matmul runs faster per FLOP than the
-layers' small ones: GPT at hidden 192 measured 2.3 layers of time for 3.2 of FLOPs).
+layers' small ones: GPT at hidden 192 measured 2.1-2.3 layers of time for 3.2 of FLOPs).
 
 Every rank of the world times the same pieces at once (so under the same load as training, and
 tensor/expert-parallel peers run their collectives together), the times are averaged over the
