@@ -14,9 +14,10 @@ schedule a stage spends outside its forward and backward compute, mean over stag
 PP=WORLD with m = 4, 8, 16 micro-batches of one sample, plain 1F1B (v=1) and interleaved (v=2),
 next to DP=WORLD on the same global batch; the recipe's GPT at 8 layers (so that PP=4 x v=2 has a
 layer per virtual stage). Measured bubble: the time each rank spends blocked in p2p exchanges over
-its schedule time (mean over ranks); theory: (p - 1) / (v m) of the ideal time, which as a fraction
-of the step is (p - 1) / (v m + p - 1). --partition-methods parameters compute: each PP row at
-both stage splits (models.parallelize.stage_layers; the compute split's rows end in _compute).
+its schedule time (mean over ranks, and each rank's); theory: (p - 1) / (v m) of the ideal time,
+which as a fraction of the step is (p - 1) / (v m + p - 1). --partition-methods parameters measured:
+each PP row at both stage splits (models.parallelize.stage_layers; the rows of a split other than
+parameters end in _<method>; each row records every rank's layers).
 Writes benchmarks/results/parallel_bubbles_pp{WORLD}.json.
 """
 
@@ -65,7 +66,8 @@ def bubble_layouts(world: int, methods: tuple[str, ...] = ("parameters",)) -> di
                 layouts[f"pp{world}_m{m}_v{v}{suffix}"] = {**common, "pp": world, "micro": 1, "chunks": v,
                                                            "split": method}
     # the issue's case with a shape header on every p2p message, as before the shape cache
-    layouts[f"pp{world}_m8_v1_headers"] = {**layouts[f"pp{world}_m8_v1"], "headers": True}
+    if "parameters" in methods:
+        layouts[f"pp{world}_m8_v1_headers"] = {**layouts[f"pp{world}_m8_v1"], "headers": True}
     return layouts
 
 
@@ -111,6 +113,7 @@ class LayoutRun:
             self.engine._pipeline_shapes = None  # no shape cache: every message carries its header
         self.data = iter(loader)
         self.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.layers = [[c.layers.start, c.layers.stop] for c in getattr(model, "chunks", [model])]
         self.busy = self.schedule = self.p2p = 0.0
 
     def step(self) -> float:
@@ -146,7 +149,8 @@ def worker(rank: int, world: int, port: int, args, queue) -> None:
     busy = {name: run.busy / (args.trials * args.steps) for name, run in runs.items()}
     gathered = [None] * world
     dist.all_gather_object(gathered, {"bubble": bubbles, "blocked": blocked, "busy": busy, "losses": losses,
-                                      "param_bytes": {n: r.param_bytes for n, r in runs.items()}})
+                                      "param_bytes": {n: r.param_bytes for n, r in runs.items()},
+                                      "layers": {n: r.layers for n, r in runs.items()}})
     if rank == 0:
         queue.put({"times": times, "ranks": gathered,
                    "micro_batches": {n: r.micro_batches for n, r in runs.items()}})
@@ -166,7 +170,8 @@ def main() -> None:
                         help="the pipeline bubble table on this many ranks instead (see the module docstring)")
     parser.add_argument("--hidden-size", type=int, default=None, help="override the recipe GPT's (default 384)")
     parser.add_argument("--seq-length", type=int, default=None, help="override the recipe GPT's (default 256)")
-    parser.add_argument("--partition-methods", nargs="+", choices=["parameters", "compute"], default=["parameters"],
+    parser.add_argument("--partition-methods", nargs="+", choices=["parameters", "compute", "measured"],
+                        default=["parameters"],
                         help="--bubbles: the stage splits to measure each PP row at (default: parameters)")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -245,6 +250,7 @@ def bubbles_main(args) -> None:
         if spec["pp"] > 1:
             p, v, m = spec["pp"], spec["chunks"], row["micro_batches"]
             row["blocked_in_p2p"] = [r["blocked"][name] for r in ranks]
+            row["layers_per_rank"] = [r["layers"][name] for r in ranks]
             row["bubble_measured"] = statistics.mean(row["blocked_in_p2p"])
             row["not_computing"] = statistics.mean(r["bubble"][name] for r in ranks)
             row["theory_over_ideal"] = interleaved_bubble_fraction(p, m, v)
@@ -253,17 +259,18 @@ def bubbles_main(args) -> None:
     print(f"recipe GPT at {BUBBLE_LAYERS} layers, hidden {config.hidden_size} (vocab 8192), {world} gloo ranks x 1 "
           f"thread, fp32, micro-batches of 1 x {seq} tokens, {args.trials} alternating trials of {args.steps} steps")
     print(f"{'layout':<18}{'tokens/s':>10}{'vs DP':>8}{'blocked in p2p':>16}{'not computing':>15}"
-          f"{'(p-1)/(vm)':>12}{'(p-1)/(vm+p-1)':>16}  busy s/step per rank")
+          f"{'(p-1)/(vm)':>12}{'(p-1)/(vm+p-1)':>16}  busy s/step, blocked per rank")
     for row in rows.values():
         if row["pp"] == 1:
             label, cells = f"DP={world} b={row['batch']}", f"{'-':>16}{'-':>15}{'-':>12}{'-':>16}"
         else:
             label = f"PP={row['pp']} m={row['micro_batches']} v={row['chunks']}"
             label += " hdr" if row.get("headers") else ""
-            label += " cmp" if row["split"] == "compute" else ""
+            label += "" if row["split"] == "parameters" else f" {row['split'][:4]}"
             cells = (f"{row['bubble_measured']:>16.3f}{row['not_computing']:>15.3f}{row['theory_over_ideal']:>12.3f}"
                      f"{row['theory_fraction_of_step']:>16.3f}")
         busy = " ".join(f"{b:.2f}" for b in row["busy_s_per_step"])
+        busy += "  " + " ".join(f"{b:.3f}" for b in row.get("blocked_in_p2p", []))
         print(f"{label:<18}{row['tokens_per_s']:>10,.0f}{row['ratio_to_dp']:>8.3f}{cells}  {busy}")
     print("blocked in p2p: time in the pipeline's exchanges / schedule time (mean over ranks); not computing: "
           "1 - (forward + backward) / schedule time")

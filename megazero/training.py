@@ -89,9 +89,11 @@ def recipe_parser(description: str, model_config: str, engine_config_path: str) 
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     p.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                    help="interleaved 1F1B: each pipeline stage holds num_layers / (PP x this) model chunks")
-    p.add_argument("--pipeline-partition-method", choices=["parameters", "compute"], default=None,
-                   help="which layers each pipeline stage holds: balanced by parameter count (default), or by "
-                        "forward FLOPs with the output layer and loss counted (fewer layers on the last stage)")
+    p.add_argument("--pipeline-partition-method", choices=["parameters", "compute", "measured"], default=None,
+                   help="which layers each pipeline stage holds: balanced by parameter count (default), by "
+                        "forward FLOPs with the output layer and loss counted (fewer layers on the last stage), or "
+                        "by the forward + backward time of a layer, the embeddings and the head measured at build "
+                        "time")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="split LayerNorm/dropout activations along the sequence across tensor-parallel ranks")
     p.add_argument("--micro-batch-size", type=int, help="overrides train_micro_batch_size_per_gpu")

@@ -12,7 +12,8 @@ What it decides, for this rank of the grid:
   its MoE layers split their experts (megazero/moe/);
 - the pipeline stage: which of the config's layers this stage holds (`stage_layers`: contiguous
   ranges balanced by parameter count, or with partition_method "compute" by forward FLOPs: the
-  last stage's output layer and loss over the vocabulary weigh what they cost), whether it embeds
+  last stage's output layer and loss over the vocabulary weigh what they cost, or with "measured"
+  by the time each piece takes here, timed at build time), whether it embeds
   (first stage) and holds the head and loss (last stage), and so whether its word embedding is
   tied to a copy on another stage;
 - recomputation (`apply_recompute`): config.recompute_granularity "full" recomputes whole layers
@@ -43,10 +44,12 @@ from megazero.parallel_state import ParallelGrid
 from megazero.pipeline.chunks import ModelChunks, chunk_count, chunk_stage
 from megazero.pipeline.partition import (
     PARTITION_METHODS,
+    balanced_interleaved_layers,
     balanced_stage_layers,
     head_forward_flops,
     layer_forward_flops,
 )
+from megazero.pipeline.stage_timing import measure_stage_weights
 from models.bert import Bert, BertConfig
 from models.common import ModelConfig
 from models.gpt import GPT, MLP, GPTConfig
@@ -134,30 +137,72 @@ _STAGE_WEIGHTS = {
 }
 
 
-def stage_layers(config: ModelConfig, num_stages: int, partition_method: str = "parameters") -> list[range]:
-    """Each pipeline stage's layers. partition_method "parameters": balanced by parameter count
-    (the embeddings count on the first stage, the head and the tied output layer's copy on the
-    last); "compute": by forward FLOPs (the output layer and loss over the vocabulary on the last
-    stage, ~3 layers of GPT at hidden 192 and vocabulary 8192; the embedding lookup as none), so the
-    last stage gets fewer layers. Either way each layer keeps its number and parameter names, so
-    checkpoints load at any split."""
+def _measured_weights(config: ModelConfig, tp_group=None, ep_group=None,
+                      micro_batch_size: int = 1) -> tuple[list[int], int, int]:
+    """partition_method "measured": a layer of each kind, the embeddings and the head and loss timed
+    (forward + backward) on a micro-batch of `micro_batch_size` random sequences of seq_length
+    tokens on the current default device (megazero.pipeline.stage_timing); GPT and Llama."""
+    if isinstance(config, BertConfig):
+        raise ValueError("pipeline partition_method 'measured' times GPT and Llama stages (a BERT micro-batch "
+                         "has more inputs than it builds): use 'compute' or 'parameters' for BERT")
+    experts = {"ep_group": ep_group} if getattr(config, "num_experts", None) is not None else {}
+
+    def build(layers: range, pre_process: bool, post_process: bool) -> nn.Module:
+        piece = model_class(config)(config, tp_group, layers, pre_process=pre_process, post_process=post_process,
+                                    **experts)
+        return _speed_options(piece, config)  # recomputation costs what it costs in training
+
+    ids = torch.randint(0, config.vocab_size, (micro_batch_size, config.seq_length), generator=torch.Generator())
+    kinds = [getattr(config, "num_experts", None) is not None and i % config.moe_layer_freq == 0
+             for i in range(config.num_layers)]  # MoE layers and dense ones
+    return measure_stage_weights(build, {"input_ids": ids, "labels": ids.roll(-1, dims=1)}, kinds)
+
+
+def stage_weights(config: ModelConfig, partition_method: str = "parameters", tp_group=None, ep_group=None,
+                  micro_batch_size: int = 1) -> tuple[list[int], int, int]:
+    """(a weight per layer, the first stage's extra, the last stage's extra) that partition_method
+    balances: parameter counts, forward FLOPs, or measured time (which times pieces of the model
+    over tp_group / ep_group on every rank at once: call it collectively, as parallelize does)."""
     if partition_method not in PARTITION_METHODS:
         raise ValueError(f"pipeline partition_method {partition_method!r}: expected one of {list(PARTITION_METHODS)}")
+    if partition_method == "measured":
+        return _measured_weights(config, tp_group, ep_group, micro_batch_size)
     table = _STAGE_WEIGHTS[partition_method]
     weights = next((fn for cls, fn in table.items() if isinstance(config, cls)), None)
     if weights is None:
         raise TypeError(f"no pipeline stage weights for a {type(config).__name__} in models/parallelize.py")
     block, first_extra, last_extra = weights(config)
-    return balanced_stage_layers([block] * config.num_layers, num_stages, first_extra, last_extra)
+    return [block] * config.num_layers, first_extra, last_extra
+
+
+def stage_layers(config: ModelConfig, num_stages: int, partition_method: str = "parameters", num_chunks: int = 1,
+                 weights: tuple[list[int], int, int] | None = None) -> list[range]:
+    """Each pipeline stage's layers (with num_chunks v > 1: each of the p x v virtual stages', chunk
+    c of stage s at c * p + s). partition_method "parameters": balanced by parameter count (the
+    embeddings count on the first stage, the head and the tied output layer's copy on the last),
+    each virtual stage alone; "compute": by forward FLOPs (the output layer and loss over the
+    vocabulary on the last stage, ~3 layers of GPT at hidden 192 and vocabulary 8192; the embedding
+    lookup as none), so the last stage gets fewer layers; "measured": by the time stage_weights
+    measures (pass its result as `weights`, else it is measured here, in this process alone). With
+    v > 1 the compute and measured splits balance each rank's total over its chunks, then its
+    chunks (megazero.pipeline.partition.balanced_interleaved_layers). Either way each layer keeps
+    its number and parameter names, so checkpoints load at any split."""
+    layer_weights, first_extra, last_extra = weights if weights is not None else stage_weights(config,
+                                                                                               partition_method)
+    if partition_method == "parameters":
+        return balanced_stage_layers(layer_weights, num_stages * num_chunks, first_extra, last_extra)
+    return balanced_interleaved_layers(layer_weights, num_stages, num_chunks, first_extra, last_extra)
 
 
 def build_stage(config: ModelConfig, stage: int = 0, num_stages: int = 1, tp_group=None,
-                ep_group=None, partition_method: str = "parameters") -> torch.nn.Module:
+                ep_group=None, partition_method: str = "parameters", layers: range | None = None) -> torch.nn.Module:
     """Pipeline stage `stage` of `num_stages` of the model, over `tp_group` (None: unsharded), on
     the current default device, its MoE layers' experts split over `ep_group` (None: all here;
     only for a config with num_experts). Also builds the stages of another layout (checkpoint
-    conversion builds them on the meta device); partition_method: as stage_layers."""
-    layers = stage_layers(config, num_stages, partition_method)[stage]
+    conversion builds them on the meta device); partition_method: as stage_layers; layers: the
+    stage's layers where the caller split already (then partition_method is not used)."""
+    if layers is None:
+        layers = stage_layers(config, num_stages, partition_method)[stage]
     # the one place the expert-parallel group reaches a model: GPT's and Llama's MoE layers
     experts = {"ep_group": ep_group} if getattr(config, "num_experts", None) is not None else {}
     return model_class(config)(config, tp_group, layers, pre_process=stage == 0, post_process=stage == num_stages - 1,
@@ -267,22 +312,26 @@ def _speed_options(model: torch.nn.Module, config: ModelConfig) -> torch.nn.Modu
 
 
 def build_chunks(config: ModelConfig, stage: int, num_stages: int, num_chunks: int, tp_group=None,
-                 ep_group=None, partition_method: str = "parameters") -> ModelChunks:
+                 ep_group=None, partition_method: str = "parameters",
+                 split: list[range] | None = None) -> ModelChunks:
     """Stage `stage`'s model chunks for the interleaved schedule: chunk c is virtual stage c * p +
-    stage of the model split into p * v stages (balanced as stage_layers, by partition_method).
+    stage of the model split into p * v stages (balanced as stage_layers, by partition_method; or
+    `split`, the p * v virtual stages' layers, where the caller split already).
     Each chunk is built from the same generator state, so it draws the seeds a whole model does."""
+    if split is None:
+        split = stage_layers(config, num_stages, partition_method, num_chunks)
     state = torch.get_rng_state()
     chunks = []
     for c in range(num_chunks):
         torch.set_rng_state(state)
-        chunks.append(build_stage(config, chunk_stage(c, stage, num_stages), num_stages * num_chunks, tp_group,
-                                  ep_group, partition_method))
+        virtual = chunk_stage(c, stage, num_stages)
+        chunks.append(build_stage(config, virtual, num_stages * num_chunks, tp_group, ep_group, layers=split[virtual]))
     return ModelChunks(chunks)
 
 
 def parallelize(config: ModelConfig, grid: ParallelGrid | None = None,
                 num_layers_per_virtual_stage: int | None = None,
-                partition_method: str = "parameters") -> torch.nn.Module:
+                partition_method: str = "parameters", micro_batch_size: int = 1) -> torch.nn.Module:
     """This rank's module: its tensor-parallel shard of its pipeline stage of the model `config`
     describes (GPTConfig: GPT, BertConfig: Bert, LlamaConfig: Llama), with the config's recomputation and fused
     kernels; without a grid, the whole model in one process. Every rank draws the same random
@@ -295,8 +344,10 @@ def parallelize(config: ModelConfig, grid: ParallelGrid | None = None,
     chunks of as many layers on average: the split into PP x v stages follows partition_method).
 
     partition_method (the engine config's pipeline.partition_method, --pipeline-partition-method):
-    "parameters" balances the stages by parameter count, "compute" by forward FLOPs (see
-    stage_layers)."""
+    "parameters" balances the stages by parameter count, "compute" by forward FLOPs, "measured" by
+    the time a layer, the embeddings and the head take here, timed on every rank at once (a
+    collective: each rank of the world calls parallelize) on micro-batches of `micro_batch_size`
+    sequences (see stage_layers)."""
     if partition_method not in PARTITION_METHODS:
         raise ValueError(f"pipeline partition_method {partition_method!r}: expected one of {list(PARTITION_METHODS)}")
     if grid is None:
@@ -306,10 +357,15 @@ def parallelize(config: ModelConfig, grid: ParallelGrid | None = None,
     _check_grid(config, grid)
     pp = grid.pipeline_model_parallel_size
     num_chunks = chunk_count(config.num_layers, pp, num_layers_per_virtual_stage)
+    if pp == 1:
+        return _speed_options(build_stage(config, 0, 1, grid.tp_group, grid.ep_group,
+                                          layers=range(config.num_layers)), config)
+    weights = stage_weights(config, partition_method, grid.tp_group, grid.ep_group, micro_batch_size)
+    split = stage_layers(config, pp, partition_method, num_chunks, weights)
     if num_chunks == 1:
-        return _speed_options(build_stage(config, grid.pp_rank, pp, grid.tp_group, grid.ep_group, partition_method),
-                              config)
-    model = build_chunks(config, grid.pp_rank, pp, num_chunks, grid.tp_group, grid.ep_group, partition_method)
+        return _speed_options(build_stage(config, grid.pp_rank, pp, grid.tp_group, grid.ep_group,
+                                          layers=split[grid.pp_rank]), config)
+    model = build_chunks(config, grid.pp_rank, pp, num_chunks, grid.tp_group, grid.ep_group, split=split)
     for chunk in model.chunks:
         _speed_options(chunk, config)
     return model

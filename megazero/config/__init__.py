@@ -260,11 +260,14 @@ class PipelineConfig(Section):
     num_layers_per_virtual_stage: Int | None = Field(
         None, ge=1, description="interleaved 1F1B (Megatron's --num-layers-per-virtual-pipeline-stage, which must "
                                 "agree): each stage holds num_layers / (PP x this) model chunks; null: one chunk")
-    partition_method: Literal["parameters", "compute"] = Field(
+    partition_method: Literal["parameters", "compute", "measured"] = Field(
         "parameters", description="which layers each stage holds (--pipeline-partition-method): contiguous ranges "
                                   "balanced by parameter count (DeepSpeed's default), or by forward FLOPs, the last "
                                   "stage's output layer and loss over the vocabulary counted as the compute they cost "
-                                  "(Megatron's account_for_loss_in_pipeline_split); checkpoints load at either")
+                                  "(Megatron's account_for_loss_in_pipeline_split), or by measured time (measured: "
+                                  "a layer's, the embeddings' and the head and loss's forward + backward timed at "
+                                  "build time on every rank, GPT and Llama); with v > 1 chunks compute and measured "
+                                  "balance each rank's total; checkpoints load at any")
 
 
 # an engine key, not a model one: megazero.tensor_parallel.invariant_dropout's docstring says why

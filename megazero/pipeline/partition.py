@@ -1,13 +1,18 @@
 """Which layers each pipeline stage holds: contiguous ranges balanced by a weight per layer plus the
 first and last stages' extra work. PARTITION_METHODS names the weights models/parallelize.py offers:
-"parameters" (the default, DeepSpeed PipelineModule's partition_method="parameters") and "compute"
+"parameters" (the default, DeepSpeed PipelineModule's partition_method="parameters"), "compute"
 (forward FLOPs, as Megatron-LM's account_for_embedding/loss_in_pipeline_split: the last stage's
 output layer and loss over the vocabulary count as the compute they cost, the first stage's
-embedding lookup as none)."""
+embedding lookup as none) and "measured" (the forward + backward time of a layer, of the
+embeddings and of the head and loss, timed at build time: megazero.pipeline.stage_timing).
+
+With v > 1 model chunks per stage the compute and measured splits balance each rank's total (the
+sum over its chunks: that is what the steady 1F1B phase waits on), then the chunks within a rank
+(balanced_interleaved_layers); the parameter split balances each virtual stage alone."""
 
 from __future__ import annotations
 
-PARTITION_METHODS = ("parameters", "compute")
+PARTITION_METHODS = ("parameters", "compute", "measured")
 
 
 def layer_forward_flops(hidden: int, seq: int, linear_params: int) -> int:
@@ -54,3 +59,44 @@ def balanced_stage_layers(layer_weights: list[int], num_stages: int, first_extra
         bounds.append((split[s][i], i))
         i = split[s][i]
     return [range(lo, hi) for lo, hi in reversed(bounds)]
+
+
+def _water_fill(counts: list[int], extras: list[int], weight: int, layers: int) -> list[int]:
+    """Add `layers` layers of `weight` one at a time to the part of lowest total (counts x weight +
+    extras; ties: the lowest index): with equal increments this minimises the largest total."""
+    counts = list(counts)
+    for _ in range(layers):
+        low = min(range(len(counts)), key=lambda i: (counts[i] * weight + extras[i], i))
+        counts[low] += 1
+    return counts
+
+
+def balanced_interleaved_layers(layer_weights: list[int], num_stages: int, num_chunks: int, first_extra: int = 0,
+                                last_extra: int = 0) -> list[range]:
+    """Layers of the p x v virtual stages (virtual stage c * p + s is chunk c of rank s) for the
+    interleaved schedule: each rank's total (its chunks' layers plus the first virtual stage's
+    `first_extra` on rank 0 and the last one's `last_extra` on rank p - 1) as even as the layers
+    allow, then each rank's layers over its chunks so that its largest chunk is smallest. Every
+    chunk keeps a layer. Exact for equal layer weights (water-filling in whole layers); with unequal
+    ones (MoE layers every few) it balances each virtual stage alone, as balanced_stage_layers."""
+    n, p, v = len(layer_weights), num_stages, num_chunks
+    if v == 1 or len(set(layer_weights)) > 1:
+        return balanced_stage_layers(layer_weights, p * v, first_extra, last_extra)
+    if n < p * v:
+        raise ValueError(f"cannot split {n} layers into {p} x {v} virtual pipeline stages (each needs a layer)")
+    weight = layer_weights[0]
+    rank_extras = [0] * p
+    rank_extras[0] += first_extra
+    rank_extras[p - 1] += last_extra
+    per_rank = _water_fill([v] * p, rank_extras, weight, n - p * v)
+    counts = {}
+    for s in range(p):
+        extras = [(first_extra if (s, c) == (0, 0) else 0) + (last_extra if (s, c) == (p - 1, v - 1) else 0)
+                  for c in range(v)]
+        for c, count in enumerate(_water_fill([1] * v, extras, weight, per_rank[s] - v)):
+            counts[c * p + s] = count
+    ranges, start = [], 0
+    for k in range(p * v):
+        ranges.append(range(start, start + counts[k]))
+        start += counts[k]
+    return ranges

@@ -293,6 +293,50 @@ def test_compute_split_matches_single_process_and_its_checkpoint_loads_at_any_sp
         _assert_matches(results[0], result, SAVE_AT)
 
 
+# ---- the measured stage split (pipeline.partition_method "measured"), interleaved -----------------
+# 8 layers in 2 x 2 model chunks: the split follows the timed pieces (the output layer and loss over
+# 1024 tokens weigh a few layers here), balanced per rank over its chunks
+MEASURED_SPLIT_MODEL = {"num_layers": 8, "hidden_size": 32, "vocab_size": 1024}
+
+
+def _train_and_split(*args) -> dict:
+    """train(*args), with this rank's chunks' layers."""
+    import megazero
+
+    built = []
+    initialize = megazero.initialize
+
+    def spy(model=None, **kwargs):
+        built.append([list(c.layers) for c in model.chunks])
+        return initialize(model=model, **kwargs)
+
+    megazero.initialize = spy
+    try:
+        return {**train(*args), "split": built[0]}
+    finally:
+        megazero.initialize = initialize
+
+
+def test_measured_split_interleaved_matches_single_process_and_its_checkpoint_loads(pools,
+                                                                                    token_dataset_prefix_module,
+                                                                                    tmp_path):
+    """PP=2 x v=2 split by measured time (timed on both ranks at build time, one split everywhere)
+    trains as one process, dropout on, so the timing leaves the generators as they were; its
+    checkpoint (step 4) loads in one process, which goes on to train as it did."""
+    save_dir, prefix = str(tmp_path / "ckpt"), token_dataset_prefix_module
+    model = {**MEASURED_SPLIT_MODEL, LAYERS_PER_VIRTUAL_STAGE: 2}
+    reference = pools(1).run(train, _config(0, 2), prefix, STEPS, 0, None, None, None, MEASURED_SPLIT_MODEL)[0]
+    measured = _config(0, 2, pipeline={"partition_method": "measured"})
+    results = pools(2).run(_train_and_split, measured, prefix, STEPS, 0, save_dir, SAVE_AT, None, model, (1, 2))
+    assert results[0]["split"] != results[1]["split"]
+    layers = sorted(i for r in results for chunk in r["split"] for i in chunk)
+    assert layers == list(range(8)) and all(chunk for r in results for chunk in r["split"])
+    for result in results:
+        _assert_matches(reference, result)
+    resumed = pools(1).run(train, _config(0, 2), prefix, STEPS, 0, None, None, save_dir, MEASURED_SPLIT_MODEL)[0]
+    _assert_matches(results[0], resumed, SAVE_AT)
+
+
 def _evaluate(prefix: str, model_overrides: dict, layout: tuple[int, int] | None) -> list[float]:
     """engine.eval_batch of the first 3 micro-batches (in eval mode), before any training."""
     engine, loader = build_engine(_config(0, 2), prefix, 0, model_overrides, layout)

@@ -59,3 +59,22 @@ def test_vocab_padding_follows_tensor_parallel_size():
     assert GPTConfig(vocab_size=8000, tensor_model_parallel_size=2, num_attention_heads=6).padded_vocab_size == 8192
     with pytest.raises(ValueError, match="num_attention_heads 6 is not divisible by tensor_model_parallel_size 4"):
         GPTConfig(tensor_model_parallel_size=4, num_attention_heads=6)
+
+
+def test_interleaved_split_balances_each_ranks_total():
+    """v > 1 (compute and measured splits): each rank's chunks' sum is balanced, then its chunks;
+    a head of 2.1 layers on the last virtual stage (rank 1's chunk 1) leaves rank 1 5.1 layers of
+    work to rank 0's 5; one of 3.5 layers, 5.5 to 6, where balancing each virtual stage alone
+    (largest 4.5) gives rank 1 6.5 of 11.5."""
+    from megazero.pipeline.partition import balanced_interleaved_layers
+
+    split = balanced_interleaved_layers([100] * 8, 2, 2, 0, 210)
+    assert split == [range(0, 3), range(3, 5), range(5, 7), range(7, 8)]
+    totals = [len(split[s]) * 100 + len(split[2 + s]) * 100 + (210 if s else 0) for s in range(2)]
+    assert totals == [500, 510]
+    assert balanced_interleaved_layers([100] * 8, 2, 2, 0, 350) == [range(0, 3), range(3, 4), range(4, 7),
+                                                                     range(7, 8)]
+    assert balanced_stage_layers([100] * 8, 4, 0, 350) == [range(0, 2), range(2, 4), range(4, 7), range(7, 8)]
+    assert balanced_interleaved_layers([1] * 8, 2, 2) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    with pytest.raises(ValueError, match="cannot split 3 layers into 2 x 2"):
+        balanced_interleaved_layers([1] * 3, 2, 2)
