@@ -9,7 +9,7 @@ process with dropout 0.1 on layout-invariant masks (`dropout_masks.layout_invari
 parallel run alike; the default mode's TP rank draws its own masks for its heads, and another
 micro-batch size groups the samples' masks otherwise). Dropout is on (0.1) with the default masks
 where the claim holds bit for bit: recomputation (tests/unit/test_llama.py) and data parallelism
-inside TP=2 (below). The checkpoint cases run dropout 0 (test_checkpoint_layouts' harness says why).
+inside TP=2 (below). The checkpoint cases load on layout-invariant masks too (test_checkpoint_layouts).
 """
 
 from __future__ import annotations
