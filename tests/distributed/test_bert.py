@@ -1,6 +1,6 @@
 """BERT: the samples (structure, masking rates, sentence-order labels, determinism) and every
-parallel layout against the single-process model (fp32, same seed and data, 6 steps: losses within
-1e-5 relative, weights within 2e-5)."""
+parallel layout against the single-process model (fp32, same seed and data, dropout 0.1, 6 steps:
+losses within 1e-5 relative, weights within 2e-5)."""
 
 from __future__ import annotations
 
@@ -53,9 +53,11 @@ def test_samples_are_deterministic(sentence_prefix):
     assert not all(torch.equal(a[0][k], other[0][k]) for k in a[0])
 
 
-def _config(stage: int, micro: int) -> dict:
+def _config(stage: int, micro: int, invariant: bool = False) -> dict:
+    """invariant: layout-invariant dropout masks (per sample and global head)."""
     zero = {"stage": stage, "reduce_bucket_size": 20000, "stage3_param_persistence_threshold": 0}
-    return base_config(train_micro_batch_size_per_gpu=micro, zero_optimization=zero)
+    return base_config(train_micro_batch_size_per_gpu=micro, zero_optimization=zero,
+                       dropout_masks={"layout_invariant": invariant})
 
 
 @pytest.fixture(scope="module")
@@ -64,30 +66,30 @@ def reference(pools, sentence_prefix):
     each micro-batch's masked tokens (as in Megatron), so layouts compare at equal micro-batches."""
     runs = {}
 
-    def get(micro: int, dropout: float) -> dict:
-        if (micro, dropout) not in runs:
-            runs[micro, dropout] = pools(1).run(train_bert, _config(0, micro), sentence_prefix, STEPS, None,
-                                                {"dropout": dropout})[0]
-        return runs[micro, dropout]
+    def get(micro: int, invariant: bool) -> dict:
+        if (micro, invariant) not in runs:
+            runs[micro, invariant] = pools(1).run(train_bert, _config(0, micro, invariant), sentence_prefix, STEPS,
+                                                  None)[0]
+        return runs[micro, invariant]
 
     return get
 
 
-# (name, world size, (TP, PP), ZeRO stage, micro-batch, dropout). Data-parallel layouts run dropout
-# 0.1: micro-batch i of a step draws the same masks at every DP size. Layouts with TP or PP run
-# dropout 0: attention dropout is drawn per TP rank inside the tensor-parallel region and each
-# pipeline stage has its own stream (Megatron's design), so no single process draws their masks.
-LAYOUTS = [("tp2", 2, (2, 1), 0, 8, 0.0), ("pp2", 2, (1, 2), 1, 2, 0.0), ("dp2_zero2", 2, (1, 1), 2, 4, 0.1),
-           ("dp2_zero3", 2, (1, 1), 3, 4, 0.1), ("tp2_pp2", 4, (2, 2), 0, 2, 0.0),
-           ("tp2_dp2_zero1", 4, (2, 1), 1, 4, 0.0)]
+# (name, world size, (TP, PP), ZeRO stage, micro-batch, layout-invariant masks), dropout 0.1 in all.
+# Data-parallel layouts run the default masks: micro-batch i of a step draws the same masks at every
+# DP size. Layouts with TP or PP run layout-invariant masks (and so does their reference): in the
+# default mode attention dropout is drawn per TP rank inside the tensor-parallel region (Megatron's
+# design), so no single process would draw their masks.
+LAYOUTS = [("tp2", 2, (2, 1), 0, 8, True), ("pp2", 2, (1, 2), 1, 2, True), ("dp2_zero2", 2, (1, 1), 2, 4, False),
+           ("dp2_zero3", 2, (1, 1), 3, 4, False), ("tp2_pp2", 4, (2, 2), 0, 2, True),
+           ("tp2_dp2_zero1", 4, (2, 1), 1, 4, True)]
 
 
-@pytest.mark.parametrize("name,world,layout,stage,micro,dropout", LAYOUTS, ids=[x[0] for x in LAYOUTS])
+@pytest.mark.parametrize("name,world,layout,stage,micro,invariant", LAYOUTS, ids=[x[0] for x in LAYOUTS])
 def test_bert_layout_matches_single_process(pools, reference, sentence_prefix, name, world, layout, stage, micro,
-                                            dropout):
-    reference = reference(micro, dropout)
-    for result in pools(world).run(train_bert, _config(stage, micro), sentence_prefix, STEPS, layout,
-                                   {"dropout": dropout}):
+                                            invariant):
+    reference = reference(micro, invariant)
+    for result in pools(world).run(train_bert, _config(stage, micro, invariant), sentence_prefix, STEPS, layout):
         for step, (a, b) in enumerate(zip(reference["losses"], result["losses"])):
             assert abs(a - b) <= 1e-5 * abs(a), f"step {step}: {reference['losses']} vs {result['losses']}"
         assert result["params"].keys() == reference["params"].keys()

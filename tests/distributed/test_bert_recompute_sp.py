@@ -1,6 +1,6 @@
 """BERT recomputation and sequence parallelism (models/bert.py, the BERT recipe's flags): recompute
 keeps fewer activation bytes with gradients bit-equal to none (dropout on), also under TP=2 + SP;
-TP=2 + SP trains as the single process."""
+TP=2 + SP trains as the single process (dropout on, layout-invariant masks)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from megazero.profiling.memory import ActivationMeter
 from models.bert import BertConfig
 from models.parallelize import parallelize
 from tests.bert_helpers import TINY_BERT, bert_dataset, train_bert, write_sentence_dataset
-from tests.training_helpers import NO_DROPOUT, base_config
+from tests.training_helpers import base_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DROPOUT = TINY_BERT  # dropout 0.1: the recompute tests compare fixed masks
@@ -87,17 +87,20 @@ def test_sequence_parallel_recompute_is_bit_exact_at_tp2(pools, sentence_prefix)
 
 
 STEPS = 4
+# dropout 0.1 (TINY_BERT's) on per-sample masks, which TP + SP and the pipeline draw as one process does
+INVARIANT = {"dropout_masks": {"layout_invariant": True}}
 
 
 @pytest.mark.parametrize("post_layer_norm, layout, micro", [(True, (2, 1), 8), (False, (2, 1), 8),
                                                           (True, (2, 2), 2)])
 def test_tp2_sequence_parallel_matches_single_process(pools, sentence_prefix, post_layer_norm, layout, micro):
     """TP=2 + SP (and TP=2 x PP=2 + SP: the stages pass sequence slices) against one process at the
-    same micro-batch size. Dropout 0 here: under SP each rank draws its own masks for its part of
-    the sequence (as Megatron does), so no single-process run has the same masks; with dropout on,
-    exactness is the recompute test above."""
-    config = base_config(train_micro_batch_size_per_gpu=micro)
-    model = {"post_layer_norm": post_layer_norm, **NO_DROPOUT}
+    same micro-batch size (the losses are means over a micro-batch's masked tokens), dropout on.
+    Both draw layout-invariant masks (per sample, per global head; under SP a rank keeps its slice
+    of the whole sequence's mask): in the default mode each rank draws its own masks for its part of
+    the sequence (as Megatron does), so no single-process run would have the same masks."""
+    config = base_config(train_micro_batch_size_per_gpu=micro, **INVARIANT)
+    model = {"post_layer_norm": post_layer_norm}
     reference = pools(1).run(train_bert, config, sentence_prefix, STEPS, None, model)[0]
     for result in pools(layout[0] * layout[1]).run(train_bert, config, sentence_prefix, STEPS, layout,
                                                    {**model, "sequence_parallel": True}):

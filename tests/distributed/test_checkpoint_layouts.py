@@ -5,11 +5,12 @@ Each case trains the source layout 3 steps, saves, and goes on to step 5; the ta
 loads the step-3 checkpoint and trains to step 5. fp32; the layouts differ only in summation
 order, so losses agree to ~1e-7 relative (checked at 1e-5).
 
-Dropout is 0 in the cases that change TP or PP, and only there: dropout masks are drawn per TP rank
-inside the tensor-parallel region and per pipeline stage (see test_model_parallel), so the target
-layout runs its own masks from step 4 on, as it would have from step 1. With dropout on, the
-data-parallel size and ZeRO stage change exactly (test_zero_checkpoint), and the same layout
-resumes bit for bit (test_checkpoint).
+Dropout is on (0.1) with layout-invariant masks (`dropout_masks.layout_invariant`) in source and
+target: every mask is drawn per sample (and global attention head), so the target layout draws the
+source's masks from step 4 on. In the default mode it would not where TP or the micro-batch size
+change (a TP rank draws its own masks inside the tensor-parallel region; see test_model_parallel).
+With the default masks, the data-parallel size and ZeRO stage change exactly
+(test_zero_checkpoint), and the same layout resumes bit for bit (test_checkpoint).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO
-from tests.training_helpers import NO_DROPOUT, base_config, train
+from tests.training_helpers import base_config, train
 
 SAVE_AT, STEPS = 3, 5
 LOSS_RTOL = 1e-5
@@ -41,10 +42,11 @@ def _run(pools, prefix: str, layout: tuple[int, int, int, int], save_dir=None, l
          model_overrides: dict | None = None) -> dict:
     tp, pp, dp, stage = layout
     zero = {"stage": stage, "reduce_bucket_size": 20000, "stage3_param_persistence_threshold": 0}
-    config = base_config(train_micro_batch_size_per_gpu=2 if pp > 1 else 8 // dp, zero_optimization=zero)
+    config = base_config(train_micro_batch_size_per_gpu=2 if pp > 1 else 8 // dp, zero_optimization=zero,
+                         dropout_masks={"layout_invariant": True})  # dropout 0.1: the module docstring
     results = pools(tp * pp * dp).run(_train_recording_warnings, config, prefix, STEPS, 0, save_dir,
                                       SAVE_AT if save_dir else None, load_dir,
-                                      {**NO_DROPOUT, **(model_overrides or {})}, (tp, pp))
+                                      model_overrides, (tp, pp))
     return results[0]
 
 

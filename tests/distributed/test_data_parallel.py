@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.precision_bounds import assert_weights_within_format, warmup_lr_sum
-from tests.training_helpers import NO_DROPOUT, base_config, build_engine, train
+from tests.training_helpers import base_config, build_engine, train
 
 STEPS = 10
 # fp32: the only difference between layouts is the order of the gradient summation
@@ -97,14 +97,16 @@ def test_bf16_matches_single_process_bf16(pools, bf16_reference, initial_weights
 
 
 def test_gradient_accumulation_4x1_matches_1x4(pools, token_dataset_prefix_module):
-    """Accumulation's arithmetic (1/4 of each micro-batch's loss): dropout 0, because a batch of 8
-    and four micro-batches of 2 draw different dropout masks by construction (one mask per
-    forward); with dropout on, accumulation is checked against data parallelism, which runs the
-    same micro-batches (test_accumulation_with_data_parallel, test_data_parallel_matches_...)."""
-    whole = pools(1).run(train, base_config(train_micro_batch_size_per_gpu=8), token_dataset_prefix_module, STEPS,
-                         0, None, None, None, NO_DROPOUT)[0]
-    config = base_config(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=4)
-    accumulated = pools(1).run(train, config, token_dataset_prefix_module, STEPS, 0, None, None, None, NO_DROPOUT)[0]
+    """Accumulation's arithmetic (1/4 of each micro-batch's loss), dropout on: with layout-invariant
+    masks (per sample) a batch of 8 and four micro-batches of 2 draw the same masks, where the
+    default mode draws one mask per forward; with the default masks, accumulation is checked
+    against data parallelism, which runs the same micro-batches (test_accumulation_with_data_parallel,
+    test_data_parallel_matches_...)."""
+    invariant = {"dropout_masks": {"layout_invariant": True}}
+    whole = pools(1).run(train, base_config(train_micro_batch_size_per_gpu=8, **invariant),
+                         token_dataset_prefix_module, STEPS)[0]
+    config = base_config(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=4, **invariant)
+    accumulated = pools(1).run(train, config, token_dataset_prefix_module, STEPS)[0]
     _assert_same_run(whole, accumulated)
 
 

@@ -4,10 +4,12 @@ recomputation), TP=2 x PP=2 (SP, selective recomputation) and DP=2 with ZeRO 1, 
 single process for 10 steps, and checkpoints load at another layout.
 
 The harness is test_model_parallel's and test_checkpoint_layouts' (tests/training_helpers.py with
-model_overrides' FAMILY "llama"), with their tolerances and their reason for dropout 0 against the
-single process (a TP rank draws its own masks for its heads, a pipeline stage its own stream).
-Dropout is on (0.1) where the claim holds bit for bit: recomputation (tests/unit/test_llama.py)
-and data parallelism inside TP=2 (below).
+model_overrides' FAMILY "llama"), with their tolerances. The layouts train against the single
+process with dropout 0.1 on layout-invariant masks (`dropout_masks.layout_invariant`, reference and
+parallel run alike; the default mode's TP rank draws its own masks for its heads, and another
+micro-batch size groups the samples' masks otherwise). Dropout is on (0.1) with the default masks
+where the claim holds bit for bit: recomputation (tests/unit/test_llama.py) and data parallelism
+inside TP=2 (below). The checkpoint cases load on layout-invariant masks too (test_checkpoint_layouts).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from tests.distributed.test_checkpoint_layouts import _run as _run_layout
 from tests.distributed.test_model_parallel import GRAD_RTOL, LOSS_RTOL, PARAM_ATOL, STEPS, _assert_losses, _config
 from tests.training_helpers import FAMILY, base_config, first_step_gradients, train
 
-LLAMA = {FAMILY: "llama", "dropout": 0.0}
+LLAMA = {FAMILY: "llama"}  # TINY_LLAMA's dropout 0.1
+INVARIANT = {"dropout_masks": {"layout_invariant": True}}  # every layout draws the single process's masks
 MQA = {**LLAMA, "num_query_groups": 1}  # 1 key/value head: replicated over 2 TP ranks
 
 # (name, world, (TP, PP), model overrides, zero stage, micro-batch size)
@@ -39,12 +42,14 @@ LAYOUTS = [
 
 @pytest.fixture(scope="module")
 def references(pools, token_dataset_prefix_module) -> dict:
-    """The single process, 2 groups and 1 group: 10 steps, and the first batch's gradients."""
+    """The single process, 2 groups and 1 group (dropout on, layout-invariant masks): 10 steps, and
+    the first batch's gradients."""
     out = {}
     for name, overrides in (("split", LLAMA), ("mqa", MQA)):
-        out[name] = pools(1).run(train, base_config(train_micro_batch_size_per_gpu=8), token_dataset_prefix_module,
-                                 STEPS, 0, None, None, None, overrides)[0]
-        out[name]["grads"] = pools(1).run(first_step_gradients, token_dataset_prefix_module, None, overrides)[0]
+        out[name] = pools(1).run(train, base_config(train_micro_batch_size_per_gpu=8, **INVARIANT),
+                                 token_dataset_prefix_module, STEPS, 0, None, None, None, overrides)[0]
+        out[name]["grads"] = pools(1).run(first_step_gradients, token_dataset_prefix_module, None, overrides,
+                                          INVARIANT)[0]
     return out
 
 
@@ -54,8 +59,8 @@ def test_llama_layout_matches_single_process(pools, references, token_dataset_pr
     """Losses and final weights over 10 steps, and every parameter's gradient of the first batch."""
     reference = references["mqa" if overrides.get("num_query_groups") == 1 else "split"]
     zero = {"stage": stage, "reduce_bucket_size": 20000, "stage3_param_persistence_threshold": 0}
-    results = pools(world).run(train, _config(stage, micro), token_dataset_prefix_module, STEPS, 0, None, None, None,
-                               overrides, layout)
+    results = pools(world).run(train, _config(stage, micro, **INVARIANT), token_dataset_prefix_module, STEPS, 0, None,
+                               None, None, overrides, layout)
     for rank_result in results:
         _assert_losses(reference["losses"], rank_result["losses"], LOSS_RTOL)
         assert rank_result["params"].keys() == reference["params"].keys()
@@ -63,7 +68,7 @@ def test_llama_layout_matches_single_process(pools, references, token_dataset_pr
             torch.testing.assert_close(rank_result["params"][key], value, rtol=0, atol=PARAM_ATOL, msg=key)
     assert reference["losses"][-1] < reference["losses"][0]
     gradients = pools(world).run(first_step_gradients, token_dataset_prefix_module, layout, overrides,
-                                 {"train_micro_batch_size_per_gpu": micro, "zero_optimization": zero})
+                                 {"train_micro_batch_size_per_gpu": micro, "zero_optimization": zero, **INVARIANT})
     for grads in gradients:
         assert grads.keys() == reference["grads"].keys()
         for key, expected in reference["grads"].items():
