@@ -350,7 +350,7 @@ class OffloadedState:
         n, k = len(self.groups), max(1, min(self.buffer_count, len(self.groups)))
         size = len(self.kinds) * max((sg.padded for sg in self.groups), default=0)
         early, self._early = self._early, {}
-        for i, (request, ring, slot_size) in list(early.items()):
+        for i, (_, ring, slot_size) in list(early.items()):
             if (ring, slot_size) != (k, size):  # (read into another ring: read again)
                 self.files.wait(early.pop(i)[0])
         reads: dict[int, int | None] = {}
