@@ -311,6 +311,7 @@ class OffloadedState:
         for i, slot in list(self._unsaved.items()):  # their buffers hold their only copy
             sg = self.groups[i]
             try:
+                self.files.rewrite_header(sg.name)
                 self.files.wait(self.files.submit_write(sg.name, self._slots[slot][:sg.kinds_saved * sg.padded]))
                 del self._unsaved[i]
             except OSError as e:
@@ -334,13 +335,15 @@ class OffloadedState:
         """Read the next step's first sub-groups into their ring buffers, each after the write of
         what its buffer holds now (the last sub-group stepped in it); the writes stay in flight."""
         n = len(self.groups)
+        self._deferred = {i: (request, i % k) for i, request in writes.items()}
         holder = {i % k: i for i in writes}  # slot -> the sub-group whose write-back it is the source of
         for i in range(min(k, n)):
             sg = self.groups[i]
             if sg.kinds_saved and i % k in holder:
                 buffer = self._slots[i % k][:sg.kinds_saved * sg.padded]
-                self._early[i] = (self.files.submit_read(sg.name, buffer, after=writes[holder[i % k]]), k, size)
-        self._deferred = {i: (request, i % k) for i, request in writes.items()}
+                # (the file's header is checked when the step takes the read: see step)
+                request = self.files.submit_read(sg.name, buffer, check=False, after=writes[holder[i % k]])
+                self._early[i] = (request, k, size)
 
     def step(self, optimizer: torch.optim.Optimizer, grad_scale) -> None:
         """optimizer.step() over every sub-group: read the next one while this one steps and the
@@ -365,8 +368,9 @@ class OffloadedState:
                 self.files.wait(writes.pop(i - k))
             sg = self.groups[i]
             buffer = self._slot(i % k, size)
-            if i in early:  # read at the end of the last step
+            if i in early:  # read at the end of the last step: still this run's file?
                 reads[i] = early.pop(i)[0]
+                self.files.check(sg.name, 4 * sg.kinds_saved * sg.padded)
             else:
                 reads[i] = (self.files.submit_read(sg.name, buffer[:sg.kinds_saved * sg.padded])
                             if sg.kinds_saved else None)

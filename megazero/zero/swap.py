@@ -144,6 +144,11 @@ class SwapFiles:
                 os.close(fd)
             self._written[name] = nbytes
 
+    def rewrite_header(self, name: str) -> None:
+        """Write file `name`'s header again at its next write (e.g. retrying a failed one: the file may
+        have been replaced meanwhile)."""
+        self._written.pop(name, None)
+
     def submit_write(self, name: str, tensor: torch.Tensor, after: int | None = None) -> int:
         """Start writing `tensor` (contiguous, CPU) as the whole content of file `name` (`after`: once
         that request has finished; not at all if it failed)."""
