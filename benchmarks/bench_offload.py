@@ -8,11 +8,15 @@ offloads, the same way (ratios to in-memory stage 3).
 One process (one gloo rank, the machine's threads), bf16, AdamW (megazero's CPU op), the same
 data and initial weights for every configuration. All six engines live in the process and take
 turns (alternating trials of a few steps), so machine noise hits all alike; medians of step time
-and of per-trial ratios offloaded / in-memory (target: <= 1.3). During the offloaded runs the swap
-files' bytes read and written per step, over the time of the optimizer's sub-group pass, give the
-bandwidth the run saw (reads and writes overlap each other and the step); after the run every
-sub-group file is read and written once more, alone, for the op's own read and write GB/s, next to
-`dd` (4 MiB blocks, oflag/iflag=direct) on the same directory. Writes benchmarks/results/offload.json.
+and of per-trial ratios offloaded / in-memory (target: <= 1.3). The bandwidth the run saw: over the
+timed trials of an offloaded engine, the bytes its swap files read (masters, optimizer states and,
+at stages 2-3, gradients) over the seconds during which at least one read chunk was in flight in
+the aio op, and the same for writes (the op's own clock, AsyncIO.busy_seconds(): I/O overlaps
+compute, so the step time is not the I/O time; reads and writes also overlap each other and share
+the disk). "I/O busy" is the share of the step time during which any chunk was in flight. After the
+run every sub-group file is read and written once more, alone, for the op's own read and write
+GB/s, next to `dd` (4 MiB blocks, oflag/iflag=direct) on the same directory. --tokens adds the
+tokens per step. Writes benchmarks/results/offload.json.
 
     python benchmarks/bench_offload.py --nvme-path /local_nvme
 """
@@ -96,6 +100,7 @@ def _dd(path: str, megabytes: int) -> dict:
 def _op_alone(engine) -> dict:
     """Read, then write, every sub-group file once with the op, nothing else running: GB/s."""
     state = engine.dp
+    state.finish_io()  # the last step's write-backs and early reads
     files, nbytes = state.files, 0
     buffers = []
     start = time.perf_counter()
@@ -148,6 +153,7 @@ def main(argv=None) -> None:
     parser.add_argument("--ds-device", choices=("auto", "nvme", "cpu"), default="auto",
                         help="--deepspeed: the offload device of both (auto: nvme where DeepSpeed's async_io loads)")
     parser.add_argument("--steps", type=int, default=2, help="steps per trial")
+    parser.add_argument("--tokens", action="store_true", help="add tokens/s columns (tokens per step: batch x seq)")
     parser.add_argument("--prefix", default=os.path.join(REPO, "data", "gpt2", "shakespeare_train_text_document"))
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "offload.json"))
     args = parser.parse_args(argv)
@@ -163,34 +169,54 @@ def main(argv=None) -> None:
     clocks = {n: _timed_offload_pass(engines[n][0]) for n in names if n[1]}
     for engine, data in engines.values():  # warm-up: the first step makes the optimizer states
         engine.train_batch(data)
+    busy0 = {}
     for n in clocks:
         clocks[n]["seconds"] = 0.0
+        engines[n][0].dp.finish_io()
         engines[n][0].dp.files.bytes_read = engines[n][0].dp.files.bytes_written = 0
+        busy0[n] = engines[n][0].dp.files.aio.busy_seconds()
     times = _alternating_trials(engines, names, args)
+    busy = {}
+    for n in clocks:
+        engines[n][0].dp.finish_io()  # (bytes counted at submission: the last step's I/O included)
+        now = engines[n][0].dp.files.aio.busy_seconds()
+        busy[n] = {k: now[k] - busy0[n][k] for k in now}
     psi = sum(s.numel() for s in engines[names[0]][0].dp.parameter_shapes().values())
     rows = []
     for stage in STAGES:
         plain, off = times[(stage, False)], times[(stage, True)]
-        files, clock = engines[(stage, True)][0].dp.files, clocks[(stage, True)]
+        files, b = engines[(stage, True)][0].dp.files, busy[(stage, True)]
+        steps = args.trials * args.steps
         rows.append({"stage": stage, "in_memory_s": statistics.median(plain), "offloaded_s": statistics.median(off),
                      "ratio": statistics.median([o / p for o, p in zip(off, plain)]),
-                     "run_read_GBps": files.bytes_read / clock["seconds"] / 1e9,
-                     "run_write_GBps": files.bytes_written / clock["seconds"] / 1e9,
+                     "run_read_GBps": files.bytes_read / b["read"] / 1e9,
+                     "run_write_GBps": files.bytes_written / b["write"] / 1e9,
+                     "read_MB_per_step": files.bytes_read / steps / 1e6,
+                     "write_MB_per_step": files.bytes_written / steps / 1e6,
+                     "io_busy_share": b["any"] / sum(off) / args.steps,
+                     "optimizer_pass_s": clocks[(stage, True)]["seconds"] / steps,
                      "swap_bytes": files.disk_bytes()})
     alone = _op_alone(engines[(3, True)][0])
     dd = _dd(args.nvme_path, max(64, alone["bytes"] // 2**20))
     print(f"GPT {psi / 1e6:.1f} M parameters, bf16, AdamW; swap files in {args.nvme_path} "
           f"(op backend {engines[(3, True)][0].dp.files.aio.backend}); sub_group_size {args.sub_group_size:,}")
+    load = os.getloadavg()
+    tokens = args.batch * args.seq
+    print(f"load average {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}; {tokens} tokens per step")
     print(f"{'stage':<7}{'in memory s/step':>18}{'nvme offload s/step':>21}{'ratio':>8}"
-          f"{'read GB/s in run':>18}{'write GB/s in run':>19}")
+          f"{'read GB/s in run':>18}{'write GB/s in run':>19}{'MB read/written per step':>26}{'I/O busy':>10}"
+          + (f"{'tokens/s mem / nvme':>21}" if args.tokens else ""))
     for r in rows:
         print(f"{r['stage']:<7}{r['in_memory_s']:>18.3f}{r['offloaded_s']:>21.3f}{r['ratio']:>8.2f}"
-              f"{r['run_read_GBps']:>18.2f}{r['run_write_GBps']:>19.2f}")
+              f"{r['run_read_GBps']:>18.2f}{r['run_write_GBps']:>19.2f}"
+              f"{r['read_MB_per_step']:>15.0f} / {r['write_MB_per_step']:<8.0f}{r['io_busy_share']:>10.0%}"
+              + (f"{tokens / r['in_memory_s']:>13.0f} / {tokens / r['offloaded_s']:<6.0f}" if args.tokens else ""))
     print(f"op alone on the swap files: read {alone['read']:.2f} GB/s, write {alone['write']:.2f} GB/s; "
           f"dd direct I/O: read {dd['read'] or float('nan'):.2f} GB/s, write {dd['write'] or float('nan'):.2f} GB/s")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"num_params": psi, "rows": rows, "op_alone": alone, "dd": dd, "args": vars(args)}, f, indent=2)
+        json.dump({"num_params": psi, "rows": rows, "op_alone": alone, "dd": dd, "load_average": load,
+                   "args": vars(args)}, f, indent=2)
     for engine, _ in engines.values():
         if hasattr(engine.dp, "close"):
             engine.dp.close()

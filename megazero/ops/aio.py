@@ -1,8 +1,11 @@
 """Asynchronous reads and writes of tensors to and from files, so that swapping overlaps compute.
 
 `AsyncIO` queues a request (a tensor's bytes, a file, an offset) and returns its id at once; worker
-threads move it in `block_size` chunks, at most `queue_depth` in flight; `wait` blocks until it is
-done and raises an OSError naming the path and errno if it failed. The parameters are DeepSpeed's
+threads move it in `block_size` chunks, at most `queue_depth` per I/O thread in flight
+(thread_count x queue_depth: pread/pwrite block, so each chunk in flight has a worker of its own,
+as a libaio queue of that depth would); `wait` blocks until it is done and raises an OSError naming
+the path and errno if it failed. A request submitted `after=` another starts once that one has
+finished and, if that one failed, is not run (ECANCELED, its tensor untouched). The parameters are DeepSpeed's
 `aio` config block (block_size, queue_depth, thread_count, single_submit, overlap_events):
 single_submit keeps one chunk per request in flight, overlap_events=False runs requests one after
 the other in submission order.
@@ -23,6 +26,7 @@ import ctypes
 import errno as errno_codes
 import os
 import threading
+import time
 from collections import deque
 
 import torch
@@ -75,15 +79,17 @@ class _PythonEngine:
         self._in_flight = 0
         self._next_id = 1
         self._stop = False
+        self._flying, self._busy, self._since = [0, 0, 0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]
+        self._depth = queue_depth * thread_count  # per thread: one worker per chunk in flight
         self._workers = [threading.Thread(target=self._work, daemon=True, name=f"megazero-aio-{i}")
-                         for i in range(thread_count)]
+                         for i in range(self._depth)]
         for w in self._workers:
             w.start()
 
-    def submit(self, tensor: torch.Tensor, path: str, offset: int, write: bool) -> int:
+    def submit(self, tensor: torch.Tensor, path: str, offset: int, write: bool, after: int = 0) -> int:
         nbytes = tensor.nbytes
         r = {"write": write, "path": path, "offset": offset, "chunks": [], "next": 0, "done": 0, "in_flight": 0,
-             "err": 0, "what": "", "fd": -1,
+             "err": 0, "what": "", "fd": -1, "blocked": False, "dependents": [],
              "buf": (ctypes.c_char * nbytes).from_address(tensor.data_ptr()) if nbytes else None}
         try:
             r["fd"] = os.open(path, (os.O_WRONLY | os.O_CREAT if write else os.O_RDONLY) | os.O_CLOEXEC, 0o644)
@@ -95,6 +101,13 @@ class _PythonEngine:
             r["id"] = rid = self._next_id
             self._next_id += 1
             self._requests[rid] = r
+            before = self._requests.get(after) if after else None
+            if before is not None and before is not r and not self._finished(r):
+                if not self._finished(before):
+                    r["blocked"] = True
+                    before["dependents"].append(r)
+                elif before["err"]:
+                    self._cancel(r, after)
             if self._finished(r):
                 self._close(r)
             else:
@@ -105,6 +118,11 @@ class _PythonEngine:
     @staticmethod
     def _finished(r: dict) -> bool:
         return r["done"] == len(r["chunks"])
+
+    @staticmethod
+    def _cancel(r: dict, after: int) -> None:
+        r["err"], r["what"] = errno_codes.ECANCELED, f"not run: the request it was submitted after ({after}) failed"
+        r["next"] = r["done"] = len(r["chunks"])
 
     @staticmethod
     def _close(r: dict) -> None:
@@ -124,6 +142,23 @@ class _PythonEngine:
     def is_direct(self, request: int) -> bool:
         return False
 
+    def _count(self, kind: int, delta: int) -> None:  # (with the lock held) as the op's busy()
+        for k in (kind, 2):
+            now = time.perf_counter()
+            if delta > 0:
+                if self._flying[k] == 0:
+                    self._since[k] = now
+                self._flying[k] += 1
+            else:
+                self._flying[k] -= 1
+                if self._flying[k] == 0:
+                    self._busy[k] += now - self._since[k]
+
+    def busy_seconds(self) -> tuple[float, float, float]:
+        with self._cv:
+            now = time.perf_counter()
+            return tuple(b + (now - s if f else 0.0) for b, s, f in zip(self._busy, self._since, self._flying))
+
     def drain(self) -> None:
         with self._cv:
             self._cv.wait_for(lambda: not self._active)
@@ -141,7 +176,7 @@ class _PythonEngine:
         if self._in_flight >= self._depth:
             return None
         for r in self._active:
-            if r["next"] < len(r["chunks"]) and not (self._single and r["in_flight"]):
+            if not r["blocked"] and r["next"] < len(r["chunks"]) and not (self._single and r["in_flight"]):
                 return r
             if not self._overlap:
                 return None
@@ -158,6 +193,7 @@ class _PythonEngine:
                 r["next"] += 1
                 r["in_flight"] += 1
                 self._in_flight += 1
+                self._count(1 if r["write"] else 0, +1)
                 skip = r["err"] != 0
                 self._cv.release()
                 err, what = 0, ""
@@ -173,10 +209,18 @@ class _PythonEngine:
                     r["err"], r["what"] = err, what
                 r["in_flight"] -= 1
                 self._in_flight -= 1
+                self._count(1 if r["write"] else 0, -1)
                 r["done"] += 1
                 if self._finished(r):
                     self._close(r)
                     self._active.remove(r)
+                    for d in r["dependents"]:  # released: run, or failed unrun if this one failed
+                        d["blocked"] = False
+                        if r["err"]:
+                            self._cancel(d, r["id"])
+                            self._close(d)
+                            self._active.remove(d)
+                    r["dependents"] = []
                 self._cv.notify_all()
 
     @staticmethod
@@ -230,7 +274,7 @@ class AsyncIO:
             return "python"
         return "cpp (O_DIRECT)" if self._last_direct else "cpp (buffered)"
 
-    def _submit(self, tensor: torch.Tensor, path, offset: int, write: bool) -> int:
+    def _submit(self, tensor: torch.Tensor, path, offset: int, write: bool, after: int | None = None) -> int:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"aio needs a torch.Tensor, got {type(tensor).__name__}")
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
@@ -238,21 +282,28 @@ class AsyncIO:
                              f"(contiguous={tensor.is_contiguous()}, shape {tuple(tensor.shape)})")
         if not isinstance(offset, int) or offset < 0:
             raise ValueError(f"aio offset must be an int >= 0, got {offset!r}")
+        if after is not None and after not in self._outstanding:
+            raise ValueError(f"aio: a request after {after}, which is not outstanding (already waited for, or "
+                             f"never submitted)")
         path = os.fsdecode(os.fspath(path))
         tensor = tensor.detach()
-        request = self._engine.submit(tensor, path, offset, write)
+        request = self._engine.submit(tensor, path, offset, write, after or 0)
         self._outstanding[request] = (tensor, path)
         if self._cpp and tensor.nbytes >= ALIGNMENT:
             self._last_direct = self._engine.is_direct(request)
         return request
 
-    def submit_write(self, tensor: torch.Tensor, path: str | os.PathLike, offset: int = 0) -> int:
-        """Queue a write of the tensor's bytes at `offset` of `path` (created if missing); the request id."""
-        return self._submit(tensor, path, offset, True)
+    def submit_write(self, tensor: torch.Tensor, path: str | os.PathLike, offset: int = 0,
+                     after: int | None = None) -> int:
+        """Queue a write of the tensor's bytes at `offset` of `path` (created if missing); the request id.
+        `after`: an outstanding request this one waits for (not run if that one fails)."""
+        return self._submit(tensor, path, offset, True, after)
 
-    def submit_read(self, tensor: torch.Tensor, path: str | os.PathLike, offset: int = 0) -> int:
-        """Queue a read of `tensor.nbytes` bytes at `offset` of `path` into the tensor; the request id."""
-        return self._submit(tensor, path, offset, False)
+    def submit_read(self, tensor: torch.Tensor, path: str | os.PathLike, offset: int = 0,
+                    after: int | None = None) -> int:
+        """Queue a read of `tensor.nbytes` bytes at `offset` of `path` into the tensor; the request id.
+        `after`: an outstanding request this one waits for (not run if that one fails)."""
+        return self._submit(tensor, path, offset, False, after)
 
     def wait(self, request: int | None = None) -> None:
         """Block until `request` (or every outstanding request) is done; an OSError naming the path
@@ -272,6 +323,11 @@ class AsyncIO:
                 failure = OSError(err, f"{os.strerror(err)} ({what})", path)
         if failure is not None:
             raise failure
+
+    def busy_seconds(self) -> dict[str, float]:
+        """Seconds (since this AsyncIO was made) during which at least one read chunk ("read"), one
+        write chunk ("write"), any chunk ("any") was in flight: the time I/O was actually happening."""
+        return dict(zip(("read", "write", "any"), self._engine.busy_seconds()))
 
     def write(self, tensor: torch.Tensor, path: str | os.PathLike, offset: int = 0) -> None:
         """Write and wait."""

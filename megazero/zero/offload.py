@@ -7,7 +7,15 @@ off the model's memory:
 - device nvme: in swap files (megazero.zero.swap), one per sub-group. The optimizer steps sub-group
   by sub-group (runs of whole master chunks of about `sub_group_size` elements): the next
   sub-group is read while this one steps and the previous one is written back, through a ring of
-  `buffer_count` aligned host buffers and the asynchronous I/O op (megazero.ops.aio).
+  `buffer_count` aligned host buffers and the asynchronous I/O op (megazero.ops.aio). The step
+  does not wait for its last write-backs: they finish while the next forward and backward run,
+  and the first sub-groups of the next step are read back into their ring buffers as soon as the
+  write of what a buffer held has landed (a read submitted `after` that write: never before it,
+  and not at all if it failed), so the next step finds them in memory. Anything else that uses
+  the files (a checkpoint save or load, `resident()`, close) first waits for that I/O
+  (finish_io()); a write that failed raises there, or at the next step before anything is
+  stepped, with the path, and its sub-group stays in its buffer and is written again at the next
+  try: nothing is lost. Memory stays `buffer_count` sub-group buffers.
 - device cpu on a GPU: in (pinned) host memory; gradients are copied to the host sub-group by
   sub-group and the 16-bit parameters copied back. On a CPU-only machine `device: cpu` is the
   in-memory path itself (build_offload returns the state unchanged: nothing is copied twice).
@@ -122,6 +130,12 @@ class OffloadedState:
         self._copies_by_optimizer = False
         self._resident = 0
         self._slots: list[torch.Tensor] = []
+        # I/O the step left in flight: sub-group index -> (its write, its slot); sub-group index ->
+        # (its early read for the next step, ring size, slot size); sub-group index -> its slot
+        # when its write failed (the slot then holds its only copy)
+        self._deferred: dict[int, tuple[int, int]] = {}
+        self._early: dict[int, tuple[int, int, int]] = {}
+        self._unsaved: dict[int, int] = {}
         self.files: SwapFiles | None = None
         # stage 3 with parameter offload and no copy targets: the step casts each sub-group's masters
         # into the parameter partitions (update_model would need every master resident at once)
@@ -247,6 +261,7 @@ class OffloadedState:
             finally:
                 self._resident -= 1
             return
+        self.finish_io()
         self._resident += 1
         buffers = {}
         try:
@@ -285,11 +300,62 @@ class OffloadedState:
             self._slots[index] = _aligned(numel, self.pin)
         return self._slots[index]
 
+    def finish_io(self, keep_early_reads: bool = False) -> None:
+        """Wait for the I/O the last step left in flight: its write-backs (a failed one is written
+        again from its buffer first; an OSError naming the file if one fails, its sub-group kept in
+        its buffer for the next try) and, unless `keep_early_reads`, the next step's early reads
+        (dropped: the step reads again, e.g. after a load rewrote the files)."""
+        if self.files is None:
+            return
+        failure = None
+        for i, slot in list(self._unsaved.items()):  # their buffers hold their only copy
+            sg = self.groups[i]
+            try:
+                self.files.rewrite_header(sg.name)
+                self.files.wait(self.files.submit_write(sg.name, self._slots[slot][:sg.kinds_saved * sg.padded]))
+                del self._unsaved[i]
+            except OSError as e:
+                failure = failure or e
+        for i, (request, slot) in list(self._deferred.items()):
+            del self._deferred[i]
+            try:
+                self.files.wait(request)
+            except OSError as e:
+                self._unsaved[i] = slot
+                failure = failure or e
+        if failure is not None or not keep_early_reads:
+            for request, _, _ in self._early.values():
+                with contextlib.suppress(OSError):  # (not run when the write before it failed)
+                    self.files.wait(request)
+            self._early.clear()
+        if failure is not None:
+            raise failure
+
+    def _read_early(self, writes: dict[int, int], k: int, size: int) -> None:
+        """Read the next step's first sub-groups into their ring buffers, each after the write of
+        what its buffer holds now (the last sub-group stepped in it); the writes stay in flight."""
+        n = len(self.groups)
+        self._deferred = {i: (request, i % k) for i, request in writes.items()}
+        holder = {i % k: i for i in writes}  # slot -> the sub-group whose write-back it is the source of
+        for i in range(min(k, n)):
+            sg = self.groups[i]
+            if sg.kinds_saved and i % k in holder:
+                buffer = self._slots[i % k][:sg.kinds_saved * sg.padded]
+                # (the file's header is checked when the step takes the read: see step)
+                request = self.files.submit_read(sg.name, buffer, check=False, after=writes[holder[i % k]])
+                self._early[i] = (request, k, size)
+
     def step(self, optimizer: torch.optim.Optimizer, grad_scale) -> None:
         """optimizer.step() over every sub-group: read the next one while this one steps and the
-        previous one is written back (nvme), or in place (host memory)."""
+        previous one is written back (nvme), or in place (host memory). The last write-backs are
+        left in flight, with the next step's first reads after them (see the module docstring)."""
+        self.finish_io(keep_early_reads=True)  # a failed write-back raises here, before anything steps
         n, k = len(self.groups), max(1, min(self.buffer_count, len(self.groups)))
         size = len(self.kinds) * max((sg.padded for sg in self.groups), default=0)
+        early, self._early = self._early, {}
+        for i, (_, ring, slot_size) in list(early.items()):
+            if (ring, slot_size) != (k, size):  # (read into another ring: read again)
+                self.files.wait(early.pop(i)[0])
         reads: dict[int, int | None] = {}
         grad_reads: dict[int, tuple[list[torch.Tensor], list[int]]] = {}
         writes: dict[int, int] = {}
@@ -302,11 +368,16 @@ class OffloadedState:
                 self.files.wait(writes.pop(i - k))
             sg = self.groups[i]
             buffer = self._slot(i % k, size)
-            reads[i] = (self.files.submit_read(sg.name, buffer[:sg.kinds_saved * sg.padded])
-                        if sg.kinds_saved else None)
+            if i in early:  # read at the end of the last step: still this run's file?
+                reads[i] = early.pop(i)[0]
+                self.files.check(sg.name, 4 * sg.kinds_saved * sg.padded)
+            else:
+                reads[i] = (self.files.submit_read(sg.name, buffer[:sg.kinds_saved * sg.padded])
+                            if sg.kinds_saved else None)
             if self.grads is not None:  # its gradients beside its masters and moments
                 grad_reads[i] = self.grads.submit_reads(sg, self._grad_slot(i % k, sg.grad_padded))
 
+        grown = False  # the first step made new states: a sub-group's buffer grew
         for i, sg in enumerate(self.groups):
             start_read(i)
             if k > 1:
@@ -331,12 +402,18 @@ class OffloadedState:
                 buffer = self._pack(sg, self._slots[i % k])
                 sg.kinds_saved = len(self.kinds)
                 if buffer is not self._slots[i % k]:  # the first step made new states: a larger buffer
+                    grown = True
                     self.files.wait(self.files.submit_write(sg.name, buffer[:sg.kinds_saved * sg.padded]))
                 else:
                     writes[i] = self.files.submit_write(sg.name, buffer[:sg.kinds_saved * sg.padded])
                 self._unbind(sg)
-        for request in writes.values():
-            self.files.wait(request)
+        if self.files is None:
+            return
+        if grown:  # (the ring is re-made at the next step: nothing to read into early)
+            for request in writes.values():
+                self.files.wait(request)
+        else:
+            self._read_early(writes, k, size)
 
     def _cast_into_params(self, sg: _SubGroup, cast: dict[int, int]) -> None:
         """Cast `sg`'s stepped masters into their parameter partitions (stage 3 parameter offload): a
@@ -523,9 +600,13 @@ class OffloadedState:
             self.inner.load_parameter_states(optimizer, weights, states, param_groups)
 
     def close(self) -> None:
-        """Remove the swap files (also done at exit and when the state is garbage collected)."""
+        """Wait for the I/O in flight, then remove the swap files (also done at exit and when the
+        state is garbage collected)."""
         if self.files is not None:
-            self.files.close()
+            try:
+                self.finish_io()
+            finally:
+                self.files.close()
 
 
 def _agreed_run_id(group) -> str:

@@ -144,12 +144,18 @@ class SwapFiles:
                 os.close(fd)
             self._written[name] = nbytes
 
-    def submit_write(self, name: str, tensor: torch.Tensor) -> int:
-        """Start writing `tensor` (contiguous, CPU) as the whole content of file `name`."""
+    def rewrite_header(self, name: str) -> None:
+        """Write file `name`'s header again at its next write (e.g. retrying a failed one: the file may
+        have been replaced meanwhile)."""
+        self._written.pop(name, None)
+
+    def submit_write(self, name: str, tensor: torch.Tensor, after: int | None = None) -> int:
+        """Start writing `tensor` (contiguous, CPU) as the whole content of file `name` (`after`: once
+        that request has finished; not at all if it failed)."""
         nbytes = tensor.numel() * tensor.element_size()
         self._header_for(name, nbytes)
         self.bytes_written += nbytes
-        return self.aio.submit_write(tensor, self.directory.file(name), HEADER_BYTES)
+        return self.aio.submit_write(tensor, self.directory.file(name), HEADER_BYTES, after=after)
 
     def submit_write_part(self, name: str, tensor: torch.Tensor, offset: int, file_bytes: int) -> int:
         """Start writing `tensor` (contiguous, CPU) at byte `offset` of the content of file `name`, a
@@ -194,14 +200,15 @@ class SwapFiles:
         if nbytes != self._written[name]:
             raise ValueError(f"{path}: holds {self._written[name]} bytes, a read of {nbytes} was asked")
 
-    def submit_read(self, name: str, tensor: torch.Tensor, check: bool = True) -> int:
+    def submit_read(self, name: str, tensor: torch.Tensor, check: bool = True, after: int | None = None) -> int:
         """Start reading file `name` into `tensor` (contiguous, CPU, the byte size last written);
-        `check`: verify the header first (see check())."""
+        `check`: verify the header first (see check()); `after`: once that request (e.g. the write of
+        what is read) has finished, and not at all (tensor untouched) if it failed."""
         nbytes = tensor.numel() * tensor.element_size()
         if check:
             self.check(name, nbytes)
         self.bytes_read += nbytes
-        return self.aio.submit_read(tensor, self.directory.file(name), HEADER_BYTES)
+        return self.aio.submit_read(tensor, self.directory.file(name), HEADER_BYTES, after=after)
 
     def wait(self, request: int | None = None) -> None:
         """Wait for one request (None: all); raises OSError naming the file and errno."""

@@ -5,9 +5,12 @@ exit, never read when stale; `device: cpu` on CPU is the in-memory path (nothing
 
 from __future__ import annotations
 
+import errno
 import gc
 import json
 import os
+import resource
+import signal
 import subprocess
 import sys
 
@@ -195,3 +198,62 @@ def test_swap_files_are_per_run_removed_at_exit_and_never_read_stale(tmp_path):
     files.close()
     other.close()
     assert os.listdir(tmp_path / ROOT_NAME) == []
+
+
+def _states(optimizer) -> list[torch.Tensor]:
+    return [v for s in optimizer.state_dict()["state"].values() for v in s.values() if torch.is_tensor(v)]
+
+
+def _deferred_io(prefix: str, tmp: str) -> dict:
+    """A step leaves its write-backs and the next step's reads in flight; a checkpoint saved right
+    after it holds the stepped state, a load after it is what the next step reads; a write-back that
+    fails raises at the next step with the path, before anything is stepped, and loses nothing."""
+    out = {}
+    nvme = {"device": "nvme", "nvme_path": os.path.join(tmp, "nvme-deferred")}
+    config = _config(1, True, nvme, sub_group_size=10**9)  # fewer sub-groups than buffers: all deferred
+    plain, plain_loader = build_engine(_config(1, True), prefix)
+    engine, loader = build_engine(config, prefix)
+    plain_data, data = iter(plain_loader), iter(loader)
+    for _ in range(2):
+        plain.train_batch(plain_data)
+        engine.train_batch(data)
+    out["left in flight"] = bool(engine.dp._deferred) and bool(engine.dp._early)
+    engine.save_checkpoint(os.path.join(tmp, "ckpt-deferred"))  # right after the step
+    saved = [v.clone() for v in _states(engine.optimizer)]
+    out["saved the stepped state"] = all(torch.equal(a, b) for a, b in zip(saved, _states(plain.optimizer)))
+    engine.load_checkpoint(os.path.join(tmp, "ckpt-deferred"))  # rewrites the files the early reads read
+    plain.train_batch(plain_data)
+    engine.train_batch(data)
+    i = next(iter(engine.dp._deferred))  # (a sub-group whose write-back is left in flight)
+    out["step after save and load"] = all(torch.equal(a, b) for a, b in zip(_states(engine.optimizer),
+                                                                          _states(plain.optimizer)))
+    plain.train_batch(plain_data)  # (the check above made everything resident: early reads dropped)
+    engine.train_batch(data)
+    # the next write-backs fail: a file-size limit below their offsets (EFBIG; the header still reads)
+    path = engine.dp.files.directory.file(engine.dp.groups[i].name)
+    engine.dp.finish_io(keep_early_reads=True)  # (the last step's writes land before the limit)
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, limit[1]))
+    try:
+        plain.train_batch(plain_data)
+        engine.train_batch(data)  # (its write-backs are left in flight: the failure shows at the next use)
+        before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        try:
+            engine.train_batch(data)
+            out["failed write raised"] = False
+        except OSError as e:
+            out["failed write raised"] = e.filename == path and e.errno == errno.EFBIG
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, handler)
+    out["weights untouched"] = all(torch.equal(p, before[n]) for n, p in engine.module.named_parameters())
+    engine.dp.finish_io()  # written again from its buffer
+    out["nothing lost"] = all(torch.equal(a, b) for a, b in zip(_states(engine.optimizer), _states(plain.optimizer)))
+    engine.dp.close()
+    return out
+
+
+def test_deferred_write_backs_and_early_reads(pools, token_dataset_prefix_module, tmp_path):
+    (result,) = pools(1).run(_deferred_io, token_dataset_prefix_module, str(tmp_path))
+    assert all(result.values()), result

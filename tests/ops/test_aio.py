@@ -197,3 +197,29 @@ def test_benchmark_smoke(tmp_path):
     assert all(r["write_GBps"] > 0 and r["read_GBps"] > 0 for r in rows.values())
     assert rows["aio python fallback, 4 threads"]["backend"] == "python"
     assert (tmp_path / "aio.json").exists() and not os.listdir(tmp_path / "bench")
+
+
+def test_request_after_another_waits_for_it_and_is_cancelled_if_it_fails(engine, tmp_path):
+    """A read submitted `after` a write of the same bytes reads what the write put; after a failing
+    write it is not run (ECANCELED, its tensor untouched). busy_seconds counts the time in flight."""
+    io = make(engine, queue_depth=2, thread_count=2)
+    data, back = random_bytes(3 * BLOCK + 5, 7), torch.zeros(3 * BLOCK + 5, dtype=torch.uint8)
+    path = tmp_path / "f.bin"
+    write = io.submit_write(data, path)
+    io.submit_read(back, path, after=write)
+    io.wait()
+    assert torch.equal(back, data)
+    busy = io.busy_seconds()
+    assert 0 < busy["read"] <= busy["any"] and 0 < busy["write"] <= busy["any"]
+    back.zero_()
+    write = io.submit_write(data, tmp_path / "missing" / "f.bin")
+    read = io.submit_read(back, path, after=write)
+    with pytest.raises(OSError) as failed:
+        io.wait(write)
+    assert failed.value.errno == errno.ENOENT
+    with pytest.raises(OSError, match="not run") as cancelled:
+        io.wait(read)
+    assert cancelled.value.errno == errno.ECANCELED and cancelled.value.filename == str(path)
+    assert not back.any()
+    with pytest.raises(ValueError, match="not outstanding"):
+        io.submit_read(back, path, after=read)

@@ -1,7 +1,12 @@
 // Asynchronous tensor file I/O: a pool of threads doing pread/pwrite straight on tensors' memory.
 //
 // A request (one tensor, one file, one offset) is cut into block_size chunks; worker threads take
-// chunks from the oldest requests first, at most queue_depth in flight over all requests. Submit
+// chunks from the oldest requests first, at most queue_depth per I/O thread in flight over all
+// requests (thread_count x queue_depth). pread/pwrite block, so a queue depth is kept by that
+// many workers: with DeepSpeed's defaults (1 thread, depth 8) eight chunks are in flight, as its
+// libaio queue has, not one. A request may be submitted `after` another: none of its chunks is
+// issued before that one has finished, and if that one failed it is not run at all (it fails
+// with ECANCELED, its tensor untouched), e.g. a read of what a write still in flight puts. Submit
 // opens the file and queues the chunks, then returns; wait blocks until a request's chunks are all
 // done and returns its first error (errno, what failed) instead of throwing, so the Python side
 // can raise an OSError that names the path and errno.
@@ -23,6 +28,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -58,6 +64,8 @@ struct Request {
   size_t next = 0;  // next chunk to issue
   size_t done = 0;  // chunks finished (or skipped after an error)
   int in_flight = 0;
+  bool blocked = false;               // submitted after a request not finished yet
+  std::vector<Request*> dependents;   // requests submitted after this one, waiting for it
   int err = 0;
   std::string what;
   bool finished() const { return done == chunks.size(); }
@@ -93,12 +101,12 @@ int transfer(int fd, bool write, char* data, int64_t len, int64_t file_offset) {
 class Handle {
  public:
   Handle(int64_t block_size, int64_t queue_depth, int64_t thread_count, bool single_submit, bool overlap_events)
-      : block_size_(block_size), queue_depth_(queue_depth), single_submit_(single_submit),
+      : block_size_(block_size), queue_depth_(queue_depth * thread_count), single_submit_(single_submit),
         overlap_events_(overlap_events) {
     TORCH_CHECK(block_size >= 1 && queue_depth >= 1 && thread_count >= 1,
                 "aio: block_size, queue_depth and thread_count must be >= 1, got ", block_size, ", ", queue_depth,
                 ", ", thread_count);
-    for (int64_t i = 0; i < thread_count; ++i) workers_.emplace_back([this] { work(); });
+    for (int64_t i = 0; i < queue_depth_; ++i) workers_.emplace_back([this] { work(); });
   }
 
   ~Handle() {
@@ -112,7 +120,7 @@ class Handle {
     for (auto& kv : requests_) kv.second->close_files();
   }
 
-  int64_t submit(const torch::Tensor& tensor, const std::string& path, int64_t offset, bool write) {
+  int64_t submit(const torch::Tensor& tensor, const std::string& path, int64_t offset, bool write, int64_t after) {
     TORCH_CHECK(tensor.device().is_cpu() && tensor.is_contiguous(), "aio: a contiguous CPU tensor is needed");
     TORCH_CHECK(offset >= 0, "aio: offset must be >= 0, got ", offset);
     auto r = std::make_unique<Request>();
@@ -128,6 +136,16 @@ class Handle {
     const int64_t id = r->id;
     Request* raw = r.get();
     requests_.emplace(id, std::move(r));
+    auto before = after > 0 ? requests_.find(after) : requests_.end();
+    if (!raw->finished() && before != requests_.end() && before->second.get() != raw) {
+      Request* dep = before->second.get();
+      if (!dep->finished()) {
+        raw->blocked = true;
+        dep->dependents.push_back(raw);
+      } else if (dep->err != 0) {
+        cancel(*raw, after);
+      }
+    }  // (a request already waited for has succeeded, or its waiter saw it fail)
     if (raw->finished()) {
       raw->close_files();
     } else {
@@ -154,6 +172,18 @@ class Handle {
     auto it = requests_.find(id);
     TORCH_CHECK(it != requests_.end(), "aio: no outstanding request ", id);
     return it->second->direct;
+  }
+
+  // Seconds during which at least one read chunk, one write chunk, any chunk was in flight (so
+  // far): bytes over these are the bandwidth while I/O was actually happening.
+  std::tuple<double, double, double> busy_seconds() {
+    std::lock_guard<std::mutex> lk(mu_);
+    const auto now = Clock::now();
+    double out[3];
+    for (int k = 0; k < 3; ++k) {
+      out[k] = busy_[k] + (flying_[k] > 0 ? std::chrono::duration<double>(now - since_[k]).count() : 0.0);
+    }
+    return std::make_tuple(out[0], out[1], out[2]);
   }
 
   // Blocks until every submitted request has finished (their results stay to be waited for).
@@ -221,11 +251,27 @@ class Handle {
     for (; pos < r.nbytes; pos += block_size_) r.chunks.push_back({pos, std::min(block_size_, r.nbytes - pos), false});
   }
 
+  // The dependent of failed request `after`: failed with ECANCELED, no chunk run (mu_ held).
+  static void cancel(Request& r, int64_t after) {
+    r.err = ECANCELED;
+    r.what = "not run: the request it was submitted after (" + std::to_string(after) + ") failed";
+    r.next = r.done = r.chunks.size();
+  }
+
+  void remove_active(Request* r) {
+    for (auto it = active_.begin(); it != active_.end(); ++it) {
+      if (*it == r) {
+        active_.erase(it);
+        return;
+      }
+    }
+  }
+
   // The request whose next chunk may be issued now (called with mu_ held), or nullptr.
   Request* pick() {
     if (in_flight_ >= queue_depth_) return nullptr;
     for (Request* r : active_) {
-      if (r->next < r->chunks.size() && !(single_submit_ && r->in_flight > 0)) return r;
+      if (!r->blocked && r->next < r->chunks.size() && !(single_submit_ && r->in_flight > 0)) return r;
       if (!overlap_events_) return nullptr;  // only the oldest unfinished request may issue
     }
     return nullptr;
@@ -240,6 +286,7 @@ class Handle {
       const Chunk chunk = r->chunks[r->next++];
       ++r->in_flight;
       ++in_flight_;
+      busy(r->write ? 1 : 0, +1);
       const bool skip = r->err != 0;  // the request already failed: its other chunks are not done
       lk.unlock();
       int err = 0;
@@ -262,15 +309,20 @@ class Handle {
       }
       --r->in_flight;
       --in_flight_;
+      busy(r->write ? 1 : 0, -1);
       ++r->done;
       if (r->finished()) {
         r->close_files();
-        for (auto it = active_.begin(); it != active_.end(); ++it) {
-          if (*it == r) {
-            active_.erase(it);
-            break;
+        remove_active(r);
+        for (Request* d : r->dependents) {  // released: run, or failed unrun if this one failed
+          d->blocked = false;
+          if (r->err != 0) {
+            cancel(*d, r->id);
+            d->close_files();
+            remove_active(d);
           }
         }
+        r->dependents.clear();
         done_cv_.notify_all();
       }
       work_cv_.notify_all();  // a slot is free, and maybe the next request may start
@@ -285,6 +337,19 @@ class Handle {
     return err;
   }
 
+  using Clock = std::chrono::steady_clock;
+  // kind 0 reads, 1 writes, 2 any: count in flight; time accumulated while non-zero (mu_ held)
+  void busy(int kind, int delta) {
+    for (int k : {kind, 2}) {
+      const auto now = Clock::now();
+      if (delta > 0 && flying_[k]++ == 0) since_[k] = now;
+      if (delta < 0 && --flying_[k] == 0) busy_[k] += std::chrono::duration<double>(now - since_[k]).count();
+    }
+  }
+
+  int64_t flying_[3] = {0, 0, 0};
+  double busy_[3] = {0.0, 0.0, 0.0};
+  Clock::time_point since_[3];
   const int64_t block_size_, queue_depth_;
   const bool single_submit_, overlap_events_;
   std::mutex mu_;
@@ -304,11 +369,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<int64_t, int64_t, int64_t, bool, bool>(), py::arg("block_size"), py::arg("queue_depth"),
            py::arg("thread_count"), py::arg("single_submit"), py::arg("overlap_events"))
       .def("submit", &Handle::submit, "queue a read or write of the tensor's bytes; returns the request id",
-           py::arg("tensor"), py::arg("path"), py::arg("offset"), py::arg("write"))
+           py::arg("tensor"), py::arg("path"), py::arg("offset"), py::arg("write"), py::arg("after") = 0)
       .def("wait", &Handle::wait, "block until the request is done; (errno, what failed), errno 0 on success",
            py::arg("request"), py::call_guard<py::gil_scoped_release>())
       .def("is_direct", &Handle::is_direct, "whether the request's aligned body goes through O_DIRECT",
            py::arg("request"))
+      .def("busy_seconds", &Handle::busy_seconds,
+           "(read, write, any): seconds with at least one such chunk in flight, since the handle was made")
       .def("drain", &Handle::drain, "block until every submitted request has finished",
            py::call_guard<py::gil_scoped_release>());
   m.attr("ALIGNMENT") = kAlign;
