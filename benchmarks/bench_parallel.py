@@ -12,8 +12,9 @@ schedule a stage spends outside its forward and backward compute, mean over stag
 
 --bubbles WORLD (2 or 4): the pipeline bubble table instead, on WORLD gloo ranks (one thread each):
 PP=WORLD with m = 4, 8, 16 micro-batches of one sample, plain 1F1B (v=1) and interleaved (v=2),
-next to DP=WORLD on the same global batch; the recipe's GPT at 8 layers (so that PP=4 x v=2 has a
-layer per virtual stage). Measured bubble: the time each rank spends blocked in p2p exchanges over
+next to DP=WORLD on the same global batch; the recipe's GPT at 16 layers and hidden 192
+(--num-layers, --hidden-size: a layer is then fine enough a grain for the measured split to balance
+the output layer and loss). Measured bubble: the time each rank spends blocked in p2p exchanges over
 its schedule time (mean over ranks, and each rank's); theory: (p - 1) / (v m) of the ideal time,
 which as a fraction of the step is (p - 1) / (v m + p - 1). --partition-methods parameters measured:
 each PP row at both stage splits (models.parallelize.stage_layers; the rows of a split other than
@@ -49,16 +50,20 @@ LAYOUTS = {"dp2": (1, 1, False, 4), "tp2": (2, 1, False, 8), "tp2_sp": (2, 1, Tr
            "pp2_m4": (1, 2, False, 2), "pp2_m8": (1, 2, False, 1),
            "llama_dp2": (1, 1, False, 4), "llama_tp2": (2, 1, False, 8)}
 LLAMA_PEERS = {"llama_dp2": "dp2", "llama_tp2": "tp2"}  # the Llama layouts and the GPT runs they compare with
-BUBBLE_LAYERS = 8
+# 16 layers at hidden 192: the measured split can balance the head (~2 layers of time here) to within
+# a few % of a stage, which 8 layers (a stage is 4) cannot; PP=4 x v=2 still has 2 layers per chunk
+BUBBLE_LAYERS = 16
+BUBBLE_HIDDEN = 192
 BUBBLE_MICRO_BATCHES = (4, 8, 16)
 
 
-def bubble_layouts(world: int, methods: tuple[str, ...] = ("parameters",)) -> dict[str, dict]:
+def bubble_layouts(world: int, methods: tuple[str, ...] = ("parameters",),
+                   layers: int = BUBBLE_LAYERS) -> dict[str, dict]:
     """--bubbles: name -> {tp, pp, sp, micro, batch, chunks, layers, split}: DP=world and PP=world
     (v = 1, 2, at each stage split of `methods`) at each m, the same global batch of m samples."""
     layouts = {}
     for m in BUBBLE_MICRO_BATCHES:
-        common = {"tp": 1, "sp": False, "batch": m, "layers": BUBBLE_LAYERS, "split": "parameters"}
+        common = {"tp": 1, "sp": False, "batch": m, "layers": layers, "split": "parameters"}
         layouts[f"dp{world}_b{m}"] = {**common, "pp": 1, "micro": m // world, "chunks": 1}
         for v in (1, 2):
             for method in methods:
@@ -74,7 +79,7 @@ def bubble_layouts(world: int, methods: tuple[str, ...] = ("parameters",)) -> di
 def layout_spec(name: str, args) -> dict:
     """A layout's {tp, pp, sp, micro, batch, chunks, layers, split} (layers None: the recipe's)."""
     if args.bubbles:
-        return bubble_layouts(args.bubbles, tuple(args.partition_methods))[name]
+        return bubble_layouts(args.bubbles, tuple(args.partition_methods), args.num_layers)[name]
     tp, pp, sp, micro = LAYOUTS[name]
     return {"tp": tp, "pp": pp, "sp": sp, "micro": micro, "batch": GLOBAL_BATCH, "chunks": 1, "layers": None,
             "split": "parameters"}
@@ -168,7 +173,10 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="default: benchmarks/results/parallel[_bubbles_pp{WORLD}].json")
     parser.add_argument("--bubbles", type=int, choices=[2, 4], default=None,
                         help="the pipeline bubble table on this many ranks instead (see the module docstring)")
-    parser.add_argument("--hidden-size", type=int, default=None, help="override the recipe GPT's (default 384)")
+    parser.add_argument("--num-layers", type=int, default=BUBBLE_LAYERS,
+                        help=f"--bubbles: the GPT's layers (default {BUBBLE_LAYERS})")
+    parser.add_argument("--hidden-size", type=int, default=None,
+                        help=f"override the recipe GPT's (default 384; {BUBBLE_HIDDEN} with --bubbles)")
     parser.add_argument("--seq-length", type=int, default=None, help="override the recipe GPT's (default 256)")
     parser.add_argument("--partition-methods", nargs="+", choices=["parameters", "compute", "measured"],
                         default=["parameters"],
@@ -232,11 +240,13 @@ def main() -> None:
 def bubbles_main(args) -> None:
     """--bubbles: DP and PP (v = 1, 2) at m = 4, 8, 16 on args.bubbles ranks, alternating trials."""
     world = args.bubbles
-    layouts = bubble_layouts(world, tuple(args.partition_methods))
+    if args.hidden_size is None:
+        args.hidden_size = BUBBLE_HIDDEN
+    layouts = bubble_layouts(world, tuple(args.partition_methods), args.num_layers)
     if args.layouts == list(LAYOUTS):
         args.layouts = list(layouts)
     result = spawn_workers(worker, (args,), world=world)[0]
-    config = model_config("", 1, False, BUBBLE_LAYERS, args.hidden_size, args.seq_length)
+    config = model_config("", 1, False, args.num_layers, args.hidden_size, args.seq_length)
     seq = config.seq_length
     rows = {}
     for name in args.layouts:
@@ -256,7 +266,7 @@ def bubbles_main(args) -> None:
             row["theory_over_ideal"] = interleaved_bubble_fraction(p, m, v)
             row["theory_fraction_of_step"] = (p - 1) / (v * m + p - 1)
         rows[name] = row
-    print(f"recipe GPT at {BUBBLE_LAYERS} layers, hidden {config.hidden_size} (vocab 8192), {world} gloo ranks x 1 "
+    print(f"recipe GPT at {args.num_layers} layers, hidden {config.hidden_size} (vocab 8192), {world} gloo ranks x 1 "
           f"thread, fp32, micro-batches of 1 x {seq} tokens, {args.trials} alternating trials of {args.steps} steps")
     print(f"{'layout':<18}{'tokens/s':>10}{'vs DP':>8}{'blocked in p2p':>16}{'not computing':>15}"
           f"{'(p-1)/(vm)':>12}{'(p-1)/(vm+p-1)':>16}  busy s/step, blocked per rank")

@@ -14,7 +14,6 @@ so a model built after the measurement starts as without it.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 
@@ -45,7 +44,7 @@ def _synchronize(device: torch.device) -> None:
 
 
 def measure_stage_weights(build: Callable[[range, bool, bool], nn.Module], batch: dict, layer_kinds: list,
-                          repeats: int = 5, warmup: int = 2) -> tuple[list[int], int, int]:
+                          repeats: int = 9, warmup: int = 3) -> tuple[list[int], int, int]:
     """(a weight per layer, the first stage's extra, the last stage's extra) in 1/UNITS of the
     cheapest layer's forward + backward time. build(layers, pre_process, post_process) makes a
     pipeline stage holding `layers` (with the embeddings, with the head and loss); batch: one
@@ -80,11 +79,13 @@ def measure_stage_weights(build: Callable[[range, bool, bool], nn.Module], batch
                 if round_ >= warmup:
                     times[name].append(time.perf_counter() - start)
     get_rng_tracker().set_states(tracker_states)
-    medians = torch.tensor([statistics.median(times[name]) for name in pieces], dtype=torch.float64)
+    # the fastest of the repeats: load on a shared machine only ever adds time, and a spike in one
+    # piece's median (seen at 5 repeats) moved the split by a layer
+    fastest = torch.tensor([min(times[name]) for name in pieces], dtype=torch.float64)
     if dist.is_initialized():
-        dist.all_reduce(medians)
-        medians /= dist.get_world_size()
-    seconds = dict(zip(pieces, medians.tolist()))
+        dist.all_reduce(fastest)
+        fastest /= dist.get_world_size()
+    seconds = dict(zip(pieces, fastest.tolist()))
     layer = {kind: seconds[("layer", kind)] for kind in kinds}
     unit = min(layer.values()) / UNITS
     weights = torch.tensor([round(layer[kind] / unit) for kind in layer_kinds]
