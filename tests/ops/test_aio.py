@@ -223,3 +223,29 @@ def test_request_after_another_waits_for_it_and_is_cancelled_if_it_fails(engine,
     assert not back.any()
     with pytest.raises(ValueError, match="not outstanding"):
         io.submit_read(back, path, after=read)
+
+
+def test_concurrent_writes_into_one_file_never_cut_each_other_off(engine, tmp_path):
+    """Pieces of one file written at once, each the file's new end when submitted (highest offset
+    first): small unaligned pieces (buffered) extend the file from the workers while aligned ones
+    (direct) grow it first at submit. Growing by fstat + ftruncate cut off a buffered piece that
+    landed in between (a short read of it later: seen in the offloaded gradients' swap file); every
+    piece must read back as written."""
+    aio = make(engine, block_size=1 << 20, queue_depth=8)
+    for trial in range(30):
+        path = tmp_path / f"pieces{trial}.swp"
+        pieces, offset = [], ALIGNMENT
+        for i in range(64):
+            size = 512 if i % 2 else 64 * 1024  # buffered whole / direct whole
+            pieces.append((offset, random_bytes(size, 100 * trial + i)))
+            offset += -(-size // ALIGNMENT) * ALIGNMENT
+        in_flight = []  # the buffers, alive until written
+        for at, data in reversed(pieces):
+            in_flight.append(buffer(data.numel(), aligned=True))
+            in_flight[-1].copy_(data)
+            aio.submit_write(in_flight[-1], path, at)
+        aio.wait()
+        for at, data in pieces:
+            back = buffer(data.numel(), aligned=True)
+            aio.wait(aio.submit_read(back, path, at))
+            assert torch.equal(back, data), f"the piece at {at} of {path} did not read back as written"

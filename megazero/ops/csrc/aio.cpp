@@ -220,14 +220,24 @@ class Handle {
 
   // A direct write past the end of the file is an extending write: the file system serialises it
   // (ext4 takes the inode lock exclusively, so the chunks would not overlap) and moves the size at
-  // its completion, racing the buffered tail's own size update. Growing the file first (sparse: no
-  // blocks allocated) makes every direct chunk a write inside the file. Never shrinks a file: one
-  // lock over all handles of the process.
+  // its completion, racing the buffered tail's own size update. Growing the file first makes every
+  // direct chunk a write inside the file. fallocate (mode 0) grows the size only if the range ends
+  // past it, under the inode lock: it never shrinks the file, even while another request's buffered
+  // write is extending it. (fstat + ftruncate could: a buffered write landing between the two was
+  // cut off, seen as a short read of that piece later.) Where fallocate is not supported, ftruncate
+  // under one lock over the process's extensions.
   bool extend(Request& r) {
+    const int64_t end = r.offset + r.nbytes;
+    if (::fallocate(r.direct_fd, 0, r.offset, r.nbytes) == 0) return true;
+    if (errno != EOPNOTSUPP && errno != ENOSYS) {
+      r.err = errno;
+      r.what = "fallocate growing the file to " + std::to_string(end) + " bytes before O_DIRECT writes";
+      r.close_files();
+      return false;
+    }
     static std::mutex extend_mu;
     std::lock_guard<std::mutex> lk(extend_mu);
     struct stat st;
-    const int64_t end = r.offset + r.nbytes;
     const bool stat_ok = ::fstat(r.direct_fd, &st) == 0;
     if (stat_ok && st.st_size >= end) return true;
     if (!stat_ok || ::ftruncate(r.direct_fd, end) != 0) {
