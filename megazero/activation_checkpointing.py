@@ -201,7 +201,10 @@ _BUFFER = _ContiguousBuffer()
 
 
 def _store(x: torch.Tensor, partition: bool) -> dict:
-    entry = {"shape": x.shape, "device": x.device, "requires_grad": x.requires_grad, "slot": None}
+    # the stride order too: a kernel on the restored input (a transposed view of heads, say) may
+    # round differently from one on a contiguous copy, and the recompute must repeat the forward
+    order = torch.empty_like(x, device="meta").stride()
+    entry = {"shape": x.shape, "stride": order, "device": x.device, "requires_grad": x.requires_grad, "slot": None}
     piece = x.detach().reshape(-1)
     group = _settings["tp_group"]
     world = dist.get_world_size(group) if partition and group is not None else 1
@@ -226,7 +229,8 @@ def _restore(entry: dict) -> torch.Tensor:
         dist.all_gather(parts, piece.contiguous(), group=_settings["tp_group"])
         piece = torch.cat(parts)
     numel = torch.Size(entry["shape"]).numel()
-    x = piece[:numel].view(entry["shape"]).clone()
+    x = torch.empty_strided(entry["shape"], entry["stride"], dtype=piece.dtype, device=piece.device)
+    x.copy_(piece[:numel].view(entry["shape"]))
     if entry["slot"] is not None:
         _BUFFER.give_back(entry["slot"])
     return x.requires_grad_(entry["requires_grad"])

@@ -1,6 +1,6 @@
 """Vocabulary padding is invisible: the same model padded two ways (as TP=1 and TP=2 pad 8,000 to
-8,064 and 8,192) starts the same, has the same loss and the same gradients on its real rows,
-returns logits of the true vocabulary only, and never moves its padding rows; checkpoint
+8,064 and 8,192) starts the same, has the same loss and the same gradients on its real rows (to
+fp32 summation order), returns logits of the true vocabulary only, and never moves its padding rows; checkpoint
 resharding adds or drops padding rows silently but refuses to drop a token; the Hugging Face
 export holds the true vocabulary and an import pads it again."""
 
@@ -37,7 +37,10 @@ def _assert_same_on_real_rows(a: torch.nn.Module, b: torch.nn.Module) -> None:
     for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
         rows = min(p.shape[0], q.shape[0])
         torch.testing.assert_close(p[:rows], q[:rows], rtol=0, atol=0, msg=name)
-        torch.testing.assert_close(p.grad[:rows], q.grad[:rows], rtol=1e-6, atol=1e-8, msg=name)
+        # gradients to fp32 summation order: the vocabulary GEMMs over 320 and 384 rows block their
+        # sums differently on some CPUs (AVX-512: up to 3e-7 of the norm, 16 unit roundoffs allowed)
+        error = (p.grad[:rows] - q.grad[:rows]).norm()
+        assert error <= 16 * 2.0 ** -24 * q.grad[:rows].norm(), (name, error.item(), q.grad[:rows].norm().item())
         if p.shape != q.shape:  # the vocabulary's rows (the word embedding, BERT's MLM bias)
             for x in (p, q):
                 assert not x[VOCAB:].any() and not x.grad[VOCAB:].any(), f"{name}: padding rows not zero"
