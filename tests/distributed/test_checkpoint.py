@@ -17,19 +17,25 @@ from tests.process_pool import ProcessPool
 from tests.training_helpers import base_config, build_engine, train
 
 
+@pytest.fixture(scope="module")
+def fresh_pool():
+    """2 gloo ranks that are not the session's pools(2): the resumes run in processes, and a process
+    group, that never saw the saving run (one pool for the module: a start costs seconds)."""
+    pool = ProcessPool(2)
+    yield pool
+    pool.close()
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
-def test_resume_is_bit_exact_in_a_new_process_group(pools, token_dataset_prefix_module, tmp_path, precision):
+def test_resume_is_bit_exact_in_a_new_process_group(pools, fresh_pool, token_dataset_prefix_module, tmp_path,
+                                                    precision):
     extra = {"fp32": {}, "bf16": {"bf16": {"enabled": True}},
              "fp16": {"fp16": {"enabled": True, "initial_scale_power": 8}}}[precision]
     config = base_config(train_micro_batch_size_per_gpu=2, **extra)  # DP=2 x accumulation 2
     save_dir = str(tmp_path / "ckpt")
     uninterrupted = pools(2).run(train, config, token_dataset_prefix_module, 8, 0, save_dir, 4)
     assert sorted(os.listdir(save_dir)) == ["global_step4", "latest"]
-    fresh = ProcessPool(2)  # new processes, new process group
-    try:
-        resumed = fresh.run(train, config, token_dataset_prefix_module, 8, 0, None, None, save_dir)
-    finally:
-        fresh.close()
+    resumed = fresh_pool.run(train, config, token_dataset_prefix_module, 8, 0, None, None, save_dir)
     for full, cont in zip(uninterrupted, resumed):
         assert cont["losses"] == full["losses"][4:], "losses after resume differ from the uninterrupted run"
         for name, p in full["params"].items():
@@ -39,18 +45,15 @@ def test_resume_is_bit_exact_in_a_new_process_group(pools, token_dataset_prefix_
 
 @pytest.mark.parametrize("layout,overrides,stage", [((2, 1), {"sequence_parallel": True}, 1), ((1, 2), {}, 2)],
                          ids=["tp2_sp_zero1", "pp2_zero2"])
-def test_model_parallel_resume_with_dropout_is_bit_exact(pools, token_dataset_prefix_module, tmp_path, layout,
-                                                         overrides, stage):
+def test_model_parallel_resume_with_dropout_is_bit_exact(pools, fresh_pool, token_dataset_prefix_module, tmp_path,
+                                                         layout, overrides, stage):
     """Dropout 0.1 (TINY): the tracker's per-TP-rank masks and each stage's masks continue too."""
     config = base_config(train_micro_batch_size_per_gpu=2, zero_optimization={"stage": stage})
     save_dir = str(tmp_path / "ckpt")
     uninterrupted = pools(2).run(train, config, token_dataset_prefix_module, 6, 0, save_dir, 3, None, overrides,
                                  layout)
-    fresh = ProcessPool(2)
-    try:
-        resumed = fresh.run(train, config, token_dataset_prefix_module, 6, 0, None, None, save_dir, overrides, layout)
-    finally:
-        fresh.close()
+    resumed = fresh_pool.run(train, config, token_dataset_prefix_module, 6, 0, None, None, save_dir, overrides,
+                             layout)
     for full, cont in zip(uninterrupted, resumed):
         assert cont["losses"] == full["losses"][3:]
         assert all(torch.equal(cont["params"][name], p) for name, p in full["params"].items())

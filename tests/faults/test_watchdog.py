@@ -181,12 +181,12 @@ def test_deadlock_with_incomplete_waits_is_found(tmp_path):
 
 @pytest.mark.slow
 def test_slow_checkpoint_save_and_evaluation_do_not_trip_it(corpus_prefix, tmp_path):
-    """Rank 1's first fsync in a checkpoint save and rank 0's first evaluation batch each stall for twice
+    """Rank 1's first fsync in a checkpoint save and rank 0's first evaluation batch each stall for 1.5x
     the timeout, while the other rank waits for it in a collective: alive peers are waited for. The
     timeout is the config's least (5 s; test_deadlock_with_incomplete_waits_is_found's too): the
-    claim is relative to it, and each second of it is two of sleeping here."""
+    claim is relative to it, and each second of it is three of sleeping here."""
     timeout = 5
-    stall = 2 * timeout
+    stall = 1.5 * timeout
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGAZERO_TEST_STALL": str(stall),
            "MEGAZERO_TEST_SLOW_FSYNC_RANK": "1", "MEGAZERO_TEST_SLOW_EVAL_RANK": "0"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
