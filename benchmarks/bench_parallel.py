@@ -18,7 +18,8 @@ the output layer and loss). Measured bubble: the time each rank spends blocked i
 its schedule time (mean over ranks, and each rank's); theory: (p - 1) / (v m) of the ideal time,
 which as a fraction of the step is (p - 1) / (v m + p - 1). --partition-methods parameters measured:
 each PP row at both stage splits (models.parallelize.stage_layers; the rows of a split other than
-parameters end in _<method>; each row records every rank's layers).
+parameters end in _<method>; each row records every rank's layers; at v = 2 the compute and
+measured splits are chosen for the row's m, as a recipe's are for its gradient accumulation steps).
 Writes benchmarks/results/parallel_bubbles_pp{WORLD}.json.
 """
 
@@ -35,6 +36,7 @@ import torch.distributed as dist
 from bench_zero import param_groups, recipe_config, spawn_workers  # a sibling: this script's directory is on sys.path
 
 import megazero
+import models.parallelize
 from megazero import parallel_state
 from megazero.data import GPTDataset, IndexedDataset
 from megazero.pipeline import bubble_fraction, interleaved_bubble_fraction
@@ -105,7 +107,15 @@ class LayoutRun:
         grid = parallel_state.initialize_model_parallel(tp, pp)
         config = model_config(name, tp, spec["sp"], spec["layers"], args.hidden_size, args.seq_length)
         megazero.set_seed(0)
-        model = parallelize(config, grid, config.num_layers // (pp * chunks) if chunks > 1 else None, spec["split"])
+        weighed = []  # the stage weights the split was chosen by (measured ones vary from build to build)
+        stage_weights = models.parallelize.stage_weights
+        models.parallelize.stage_weights = lambda *a, **k: weighed.append(stage_weights(*a, **k)) or weighed[-1]
+        try:
+            model = parallelize(config, grid, config.num_layers // (pp * chunks) if chunks > 1 else None,
+                                spec["split"], num_microbatches=self.micro_batches)  # the interleaved split: for this m
+        finally:
+            models.parallelize.stage_weights = stage_weights
+        self.weights = weighed[0] if weighed else None
         with open(os.path.join(REPO, "configs", "ds_gpt2_cpu.json")) as f:  # recipe_config() leaves it out
             optimizer = json.load(f)["optimizer"]
         engine_config = {**recipe_config(), "optimizer": optimizer, "train_batch_size": spec["batch"],
@@ -155,7 +165,8 @@ def worker(rank: int, world: int, port: int, args, queue) -> None:
     gathered = [None] * world
     dist.all_gather_object(gathered, {"bubble": bubbles, "blocked": blocked, "busy": busy, "losses": losses,
                                       "param_bytes": {n: r.param_bytes for n, r in runs.items()},
-                                      "layers": {n: r.layers for n, r in runs.items()}})
+                                      "layers": {n: r.layers for n, r in runs.items()},
+                                      "weights": {n: r.weights for n, r in runs.items()}})
     if rank == 0:
         queue.put({"times": times, "ranks": gathered,
                    "micro_batches": {n: r.micro_batches for n, r in runs.items()}})
@@ -261,6 +272,7 @@ def bubbles_main(args) -> None:
             p, v, m = spec["pp"], spec["chunks"], row["micro_batches"]
             row["blocked_in_p2p"] = [r["blocked"][name] for r in ranks]
             row["layers_per_rank"] = [r["layers"][name] for r in ranks]
+            row["stage_weights"] = ranks[0]["weights"][name]  # (per layer, first stage's extra, last's)
             row["bubble_measured"] = statistics.mean(row["blocked_in_p2p"])
             row["not_computing"] = statistics.mean(r["bubble"][name] for r in ranks)
             row["theory_over_ideal"] = interleaved_bubble_fraction(p, m, v)

@@ -247,6 +247,20 @@ def partition_method(args: argparse.Namespace) -> str:
     return flag or explicit or "parameters"
 
 
+def microbatches_per_step(args: argparse.Namespace) -> int | None:
+    """The run's micro-batches per step on each pipeline (gradient_accumulation_steps, from the
+    engine config's batch triad with the recipe's flags): what parallelize chooses an interleaved
+    split for. None where the triad does not resolve (train() then stops on it, naming the file)."""
+    config = engine_config(args)
+    dp = dist.get_world_size() // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size) \
+        if dist.is_initialized() else 1
+    try:
+        return resolve_batch_triad(config.get("train_batch_size"), config.get("train_micro_batch_size_per_gpu"),
+                                   config.get("gradient_accumulation_steps"), dp)[2]
+    except ConfigError:
+        return None
+
+
 def virtual_stage_layers(args: argparse.Namespace) -> int | None:
     """The layers per virtual pipeline stage of the run: --num-layers-per-virtual-pipeline-stage or
     the engine config's pipeline.num_layers_per_virtual_stage (one line naming both when they

@@ -44,10 +44,10 @@ from megazero.parallel_state import ParallelGrid
 from megazero.pipeline.chunks import ModelChunks, chunk_count, chunk_stage
 from megazero.pipeline.partition import (
     PARTITION_METHODS,
-    balanced_interleaved_layers,
     balanced_stage_layers,
     head_forward_flops,
     layer_forward_flops,
+    simulated_interleaved_layers,
 )
 from megazero.pipeline.stage_timing import measure_stage_weights
 from models.bert import Bert, BertConfig
@@ -56,6 +56,9 @@ from models.gpt import GPT, MLP, GPTConfig
 from models.llama import Llama, LlamaConfig
 
 MODELS: dict[type, type[torch.nn.Module]] = {GPTConfig: GPT, BertConfig: Bert, LlamaConfig: Llama}
+# the interleaved split is chosen for the run's micro-batches per step where the caller knows them
+# (parallelize's num_microbatches), else for this many per pipeline stage
+DEFAULT_MICROBATCHES_PER_STAGE = 4
 
 
 def model_class(config: ModelConfig) -> type[torch.nn.Module]:
@@ -176,7 +179,8 @@ def stage_weights(config: ModelConfig, partition_method: str = "parameters", tp_
 
 
 def stage_layers(config: ModelConfig, num_stages: int, partition_method: str = "parameters", num_chunks: int = 1,
-                 weights: tuple[list[int], int, int] | None = None) -> list[range]:
+                 weights: tuple[list[int], int, int] | None = None,
+                 num_microbatches: int | None = None) -> list[range]:
     """Each pipeline stage's layers (with num_chunks v > 1: each of the p x v virtual stages', chunk
     c of stage s at c * p + s). partition_method "parameters": balanced by parameter count (the
     embeddings count on the first stage, the head and the tied output layer's copy on the last),
@@ -184,14 +188,18 @@ def stage_layers(config: ModelConfig, num_stages: int, partition_method: str = "
     vocabulary on the last stage, ~3 layers of GPT at hidden 192 and vocabulary 8192; the embedding
     lookup as none), so the last stage gets fewer layers; "measured": by the time stage_weights
     measures (pass its result as `weights`, else it is measured here, in this process alone). With
-    v > 1 the compute and measured splits balance each rank's total over its chunks, then its
-    chunks (megazero.pipeline.partition.balanced_interleaved_layers). Either way each layer keeps
+    v > 1 the compute and measured splits are the ones whose interleaved schedule simulates the
+    shortest step at num_microbatches micro-batches (None: DEFAULT_MICROBATCHES_PER_STAGE per
+    stage; megazero.pipeline.partition.simulated_interleaved_layers). Either way each layer keeps
     its number and parameter names, so checkpoints load at any split."""
     layer_weights, first_extra, last_extra = weights if weights is not None else stage_weights(config,
                                                                                                partition_method)
-    if partition_method == "parameters":
+    if partition_method == "parameters" or num_chunks == 1:
         return balanced_stage_layers(layer_weights, num_stages * num_chunks, first_extra, last_extra)
-    return balanced_interleaved_layers(layer_weights, num_stages, num_chunks, first_extra, last_extra)
+    if num_microbatches is None:
+        num_microbatches = DEFAULT_MICROBATCHES_PER_STAGE * num_stages
+    return simulated_interleaved_layers(layer_weights, num_stages, num_chunks, num_microbatches, first_extra,
+                                        last_extra)
 
 
 def build_stage(config: ModelConfig, stage: int = 0, num_stages: int = 1, tp_group=None,
@@ -331,7 +339,8 @@ def build_chunks(config: ModelConfig, stage: int, num_stages: int, num_chunks: i
 
 def parallelize(config: ModelConfig, grid: ParallelGrid | None = None,
                 num_layers_per_virtual_stage: int | None = None,
-                partition_method: str = "parameters", micro_batch_size: int = 1) -> torch.nn.Module:
+                partition_method: str = "parameters", micro_batch_size: int = 1,
+                num_microbatches: int | None = None) -> torch.nn.Module:
     """This rank's module: its tensor-parallel shard of its pipeline stage of the model `config`
     describes (GPTConfig: GPT, BertConfig: Bert, LlamaConfig: Llama), with the config's recomputation and fused
     kernels; without a grid, the whole model in one process. Every rank draws the same random
@@ -347,7 +356,9 @@ def parallelize(config: ModelConfig, grid: ParallelGrid | None = None,
     "parameters" balances the stages by parameter count, "compute" by forward FLOPs, "measured" by
     the time a layer, the embeddings and the head take here, timed on every rank at once (a
     collective: each rank of the world calls parallelize) on micro-batches of `micro_batch_size`
-    sequences (see stage_layers)."""
+    sequences (see stage_layers); with v > 1 model chunks the compute and measured splits are chosen
+    for a step of num_microbatches micro-batches (the gradient accumulation steps; None: 4 per
+    stage), whose schedule the split changes (stage_layers)."""
     if partition_method not in PARTITION_METHODS:
         raise ValueError(f"pipeline partition_method {partition_method!r}: expected one of {list(PARTITION_METHODS)}")
     if grid is None:
@@ -361,7 +372,7 @@ def parallelize(config: ModelConfig, grid: ParallelGrid | None = None,
         return _speed_options(build_stage(config, 0, 1, grid.tp_group, grid.ep_group,
                                           layers=range(config.num_layers)), config)
     weights = stage_weights(config, partition_method, grid.tp_group, grid.ep_group, micro_batch_size)
-    split = stage_layers(config, pp, partition_method, num_chunks, weights)
+    split = stage_layers(config, pp, partition_method, num_chunks, weights, num_microbatches)
     if num_chunks == 1:
         return _speed_options(build_stage(config, grid.pp_rank, pp, grid.tp_group, grid.ep_group,
                                           layers=split[grid.pp_rank]), config)

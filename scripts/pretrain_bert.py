@@ -99,7 +99,8 @@ def main(argv=None) -> dict:
 
     # the model: this rank's part of --model-config with the flags applied
     config = model_config(args, tokenizer.vocab_size)
-    model = parallelize(config, grid, args.num_layers_per_virtual_pipeline_stage, training.partition_method(args))
+    model = parallelize(config, grid, args.num_layers_per_virtual_pipeline_stage, training.partition_method(args),
+                        num_microbatches=training.microbatches_per_step(args))
     args.seq_length = config.seq_length
     num_params = count_parameters(Bert, config.single_process())  # the same at every layout
     flops = gpt_flops_per_token(num_params, config.num_layers, config.hidden_size, config.seq_length)

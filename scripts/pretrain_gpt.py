@@ -36,7 +36,8 @@ def main(argv=None) -> dict:
     # the model: --model-config with the size, recompute, parallelism and MoE flags; this rank's part of it
     config = GPTConfig.from_json(args.model_config, vocab_size=tokenizer.vocab_size, **training.model_overrides(args),
                                  **training.moe_overrides(args))
-    model = parallelize(config, grid, args.num_layers_per_virtual_pipeline_stage, training.partition_method(args))
+    model = parallelize(config, grid, args.num_layers_per_virtual_pipeline_stage, training.partition_method(args),
+                        num_microbatches=training.microbatches_per_step(args))
     args.seq_length = config.seq_length
     num_params = count_parameters(GPT, config.single_process())  # the same at every layout
     active = count_active_parameters(GPT, config.single_process())  # MoE: the experts a token visits

@@ -48,7 +48,8 @@ def main(argv=None) -> dict:
                  "num_query_groups": args.num_query_groups, "rope_theta": args.rope_theta,
                  "ffn_hidden_size": args.ffn_hidden_size, "untie_embeddings_and_output_weights": args.untie}
     config = LlamaConfig.from_json(args.model_config, vocab_size=tokenizer.vocab_size, **overrides)
-    model = parallelize(config, grid, args.num_layers_per_virtual_pipeline_stage, training.partition_method(args))
+    model = parallelize(config, grid, args.num_layers_per_virtual_pipeline_stage, training.partition_method(args),
+                        num_microbatches=training.microbatches_per_step(args))
     args.seq_length = config.seq_length
     num_params = count_parameters(Llama, config.single_process())  # the same at every layout
     active = count_active_parameters(Llama, config.single_process())  # MoE: the experts a token visits
