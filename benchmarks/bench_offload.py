@@ -16,9 +16,18 @@ compute, so the step time is not the I/O time; reads and writes also overlap eac
 the disk). "I/O busy" is the share of the step time during which any chunk was in flight. After the
 run every sub-group file is read and written once more, alone, for the op's own read and write
 GB/s, next to `dd` (4 MiB blocks, oflag/iflag=direct) on the same directory. --tokens adds the
-tokens per step. Writes benchmarks/results/offload.json.
+tokens per step. --breakdown adds each engine's ms per step in forward, backward, reduce and the
+optimizer step (the engine's timers) and, offloaded, its waits on the aio op in each. Writes
+benchmarks/results/offload.json.
+
+Offload's cost falls as tokens per step grow (compute grows with them, the swap I/O does not):
+--tokens-per-step 512 1024 2048 runs the comparison at each, by a larger micro-batch and by
+gradient accumulation of --batch micro-batches (at stages 2-3 each micro-batch's reduced
+gradients are added to the evicted ones: more gradient I/O than one larger micro-batch), and
+prints the ratios side by side (benchmarks/results/offload_sweep.json).
 
     python benchmarks/bench_offload.py --nvme-path /local_nvme
+    python benchmarks/bench_offload.py --tokens-per-step 512 1024 2048
 """
 
 from __future__ import annotations
@@ -50,7 +59,8 @@ STAGES = (1, 2, 3)
 PARAM_KINDS = ("param", "both")
 
 
-def _engine(args, stage: int, offload, prefix: str):
+def _engine(args, stage: int, offload, prefix: str, micro_batch: int | None = None, accumulation: int = 1):
+    micro_batch = micro_batch or args.batch
     megazero.set_seed(0)
     model = GPT(GPTConfig(vocab_size=args.vocab, seq_length=args.seq, num_layers=args.layers, hidden_size=args.hidden,
                           num_attention_heads=args.heads, dropout=0.0))
@@ -59,9 +69,10 @@ def _engine(args, stage: int, offload, prefix: str):
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": args.nvme_path}
     if offload in ("param", "both"):
         zero["offload_param"] = {"device": "nvme", "nvme_path": args.nvme_path, "max_in_cpu": 0}
-    config = {"train_batch_size": args.batch, "bf16": {"enabled": True}, "gradient_clipping": 1.0,
+    config = {"train_batch_size": micro_batch * accumulation, "train_micro_batch_size_per_gpu": micro_batch,
+              "gradient_accumulation_steps": accumulation, "bf16": {"enabled": True}, "gradient_clipping": 1.0,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": zero,
-              "steps_per_print": 10**9}
+              "steps_per_print": 10**9, "wall_clock_breakdown": getattr(args, "breakdown", False)}
     dataset = GPTDataset(IndexedDataset(prefix), args.seq, seed=0)
     engine, _, loader, _ = megazero.initialize(model=model, training_data=dataset, config=config)
     return engine, iter(loader)
@@ -79,6 +90,59 @@ def _timed_offload_pass(engine) -> dict:
 
     engine.dp.step = step
     return clock
+
+
+PHASES = ("forward", "backward", "backward_reduce", "optimizer")
+
+
+class _IOWaits:
+    """Seconds an offloaded engine spent blocked in the aio op's wait(), by where it waited: in
+    forward and backward (gradient writes: a free buffer), in reduce_gradients (the last gradient
+    writes), in the optimizer step (reads of masters, moments and gradients)."""
+
+    def __init__(self, engine):
+        self.seconds = {"fwd_bwd": 0.0, "reduce": 0.0, "step": 0.0}
+        self._phase = "fwd_bwd"
+        state, files = engine.dp, engine.dp.files
+        inner_wait = files.wait
+
+        def wait(*a, **k):
+            start = time.perf_counter()
+            try:
+                return inner_wait(*a, **k)
+            finally:
+                self.seconds[self._phase] += time.perf_counter() - start
+
+        files.wait = wait
+        for name, phase in (("reduce_gradients", "reduce"), ("step", "step")):
+            setattr(state, name, self._in_phase(getattr(state, name), phase))
+
+    def _in_phase(self, method, phase: str):
+        def run(*a, **k):
+            self._phase = phase
+            try:
+                return method(*a, **k)
+            finally:
+                self._phase = "fwd_bwd"
+
+        return run
+
+    def reset(self) -> None:
+        self.seconds = dict.fromkeys(self.seconds, 0.0)
+
+
+def _print_breakdown(engines: dict, names: list, waits: dict, steps: int) -> None:
+    """ms per step of each engine phase (the engine's timers) and, offloaded, of waits on I/O."""
+    print(f"{'engine':<14}" + "".join(f"{p:>17}" for p in PHASES)
+          + f"{'I/O wait fwd+bwd':>18}{'reduce':>8}{'step':>8}  (ms per step)")
+    for n in names:
+        means = engines[n][0].timers.means_ms(list(PHASES))
+        label = f"stage {n[0]} {'nvme' if n[1] else 'mem'}"
+        line = f"{label:<14}" + "".join(f"{means[p]:>17.1f}" for p in PHASES)
+        if n in waits:
+            w = {k: 1000 * v / steps for k, v in waits[n].seconds.items()}
+            line += f"{w['fwd_bwd']:>18.1f}{w['reduce']:>8.1f}{w['step']:>8.1f}"
+        print(line)
 
 
 def _dd(path: str, megabytes: int) -> dict:
@@ -153,6 +217,13 @@ def main(argv=None) -> None:
     parser.add_argument("--ds-device", choices=("auto", "nvme", "cpu"), default="auto",
                         help="--deepspeed: the offload device of both (auto: nvme where DeepSpeed's async_io loads)")
     parser.add_argument("--steps", type=int, default=2, help="steps per trial")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="per engine: ms per step of forward, backward, reduce, optimizer, and waits on I/O")
+    parser.add_argument("--tokens-per-step", type=int, nargs="+", default=[],
+                        help="sweep: each tokens/step (multiples of batch x seq) by a larger micro-batch and by "
+                             "gradient accumulation of --batch micro-batches, ratios per stage")
+    parser.add_argument("--sweep", nargs="+", choices=("micro-batch", "accumulation"),
+                        default=["micro-batch", "accumulation"], help="--tokens-per-step: the ways to get them")
     parser.add_argument("--tokens", action="store_true", help="add tokens/s columns (tokens per step: batch x seq)")
     parser.add_argument("--prefix", default=os.path.join(REPO, "data", "gpt2", "shakespeare_train_text_document"))
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "offload.json"))
@@ -164,11 +235,55 @@ def main(argv=None) -> None:
     dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(minutes=30))
     if args.param_offload:
         return _param_offload(args)
+    if not args.tokens_per_step:
+        _cost(args, args.batch, 1, args.out, full=True)
+    else:  # each tokens/step by a larger micro-batch and, above one micro-batch, by accumulation
+        sweep = []
+        base = args.batch * args.seq
+        for tokens in args.tokens_per_step:
+            if tokens % base:
+                raise SystemExit(f"--tokens-per-step {tokens}: not a multiple of --batch x --seq = {base}")
+            ways = []
+            if tokens == base or "micro-batch" in args.sweep:
+                ways.append(("micro-batch", tokens // args.seq, 1))
+            if tokens > base and "accumulation" in args.sweep:
+                ways.append(("accumulation", args.batch, tokens // base))
+            for way, micro, accumulation in ways:
+                out = args.out.replace(".json", f"_{tokens}_{way}.json")
+                rows = _cost(args, micro, accumulation, out, full=tokens == base and way == "micro-batch")
+                sweep += [{"tokens_per_step": tokens, "by": way, "micro_batch": micro,
+                           "accumulation": accumulation, **r} for r in rows]
+        _print_sweep(sweep)
+        with open(args.out.replace(".json", "_sweep.json"), "w") as f:
+            json.dump({"rows": sweep, "load_average": os.getloadavg(), "args": vars(args)}, f, indent=2)
+    dist.destroy_process_group()
+
+
+def _print_sweep(sweep: list[dict]) -> None:
+    """One line per tokens/step and way: the offloaded / in-memory ratio of each stage."""
+    load = os.getloadavg()
+    print(f"\nsweep (load average {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}): offload / in memory, "
+          f"median of per-trial ratios (in-memory s/step)")
+    print(f"{'tokens/step':<13}{'by':<14}" + "".join(f"{'stage ' + str(s):>18}" for s in STAGES))
+    keys = sorted({(r["tokens_per_step"], r["by"]) for r in sweep})
+    for tokens, way in keys:
+        cells = {r["stage"]: r for r in sweep if (r["tokens_per_step"], r["by"]) == (tokens, way)}
+        print(f"{tokens:<13}{way:<14}" + "".join(f"{cells[s]['ratio']:>9.2f} ({cells[s]['in_memory_s']:.3f})"
+                                                 for s in STAGES))
+
+
+def _cost(args, micro_batch: int, accumulation: int, out: str, full: bool) -> list[dict]:
+    """In-memory and NVMe-offloaded engines of every stage at this micro-batch and accumulation,
+    alternating trials; one row per stage (printed). `full`: also the op alone and dd, and the json."""
     names = [(s, o) for s in STAGES for o in (False, True)]
-    engines = {n: _engine(args, *n, args.prefix) for n in names}
+    engines = {n: _engine(args, *n, args.prefix, micro_batch, accumulation) for n in names}
     clocks = {n: _timed_offload_pass(engines[n][0]) for n in names if n[1]}
+    waits = {n: _IOWaits(engines[n][0]) for n in names if n[1]} if args.breakdown else {}
     for engine, data in engines.values():  # warm-up: the first step makes the optimizer states
         engine.train_batch(data)
+        engine.timers.means_ms(list(PHASES))  # (reset)
+    for w in waits.values():
+        w.reset()
     busy0 = {}
     for n in clocks:
         clocks[n]["seconds"] = 0.0
@@ -196,13 +311,16 @@ def main(argv=None) -> None:
                      "io_busy_share": b["any"] / sum(off) / args.steps,
                      "optimizer_pass_s": clocks[(stage, True)]["seconds"] / steps,
                      "swap_bytes": files.disk_bytes()})
-    alone = _op_alone(engines[(3, True)][0])
-    dd = _dd(args.nvme_path, max(64, alone["bytes"] // 2**20))
+    if args.breakdown:
+        _print_breakdown(engines, names, waits, args.trials * args.steps)
+    alone = _op_alone(engines[(3, True)][0]) if full else None
+    dd = _dd(args.nvme_path, max(64, alone["bytes"] // 2**20)) if full else None
     print(f"GPT {psi / 1e6:.1f} M parameters, bf16, AdamW; swap files in {args.nvme_path} "
           f"(op backend {engines[(3, True)][0].dp.files.aio.backend}); sub_group_size {args.sub_group_size:,}")
     load = os.getloadavg()
-    tokens = args.batch * args.seq
-    print(f"load average {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}; {tokens} tokens per step")
+    tokens = micro_batch * accumulation * args.seq
+    print(f"load average {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}; {tokens} tokens per step "
+          f"(micro-batch {micro_batch} x {args.seq} tokens, accumulation {accumulation})")
     print(f"{'stage':<7}{'in memory s/step':>18}{'nvme offload s/step':>21}{'ratio':>8}"
           f"{'read GB/s in run':>18}{'write GB/s in run':>19}{'MB read/written per step':>26}{'I/O busy':>10}"
           + (f"{'tokens/s mem / nvme':>21}" if args.tokens else ""))
@@ -211,16 +329,20 @@ def main(argv=None) -> None:
               f"{r['run_read_GBps']:>18.2f}{r['run_write_GBps']:>19.2f}"
               f"{r['read_MB_per_step']:>15.0f} / {r['write_MB_per_step']:<8.0f}{r['io_busy_share']:>10.0%}"
               + (f"{tokens / r['in_memory_s']:>13.0f} / {tokens / r['offloaded_s']:<6.0f}" if args.tokens else ""))
-    print(f"op alone on the swap files: read {alone['read']:.2f} GB/s, write {alone['write']:.2f} GB/s; "
-          f"dd direct I/O: read {dd['read'] or float('nan'):.2f} GB/s, write {dd['write'] or float('nan'):.2f} GB/s")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
+    if full:
+        print(f"op alone on the swap files: read {alone['read']:.2f} GB/s, write {alone['write']:.2f} GB/s; "
+              f"dd direct I/O: read {dd['read'] or float('nan'):.2f} GB/s, "
+              f"write {dd['write'] or float('nan'):.2f} GB/s")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
         json.dump({"num_params": psi, "rows": rows, "op_alone": alone, "dd": dd, "load_average": load,
                    "args": vars(args)}, f, indent=2)
     for engine, _ in engines.values():
         if hasattr(engine.dp, "close"):
             engine.dp.close()
-    dist.destroy_process_group()
+    return rows
+
+
 
 
 def _param_offload(args) -> None:

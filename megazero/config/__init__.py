@@ -76,7 +76,9 @@ class OffloadOptimizerConfig(Section):
                                                     "<nvme_path>/megazero-swap/<run id>/rank<r>/, removed at exit")
     pin_memory: Bool = Field(False, description="page-lock the host buffers (with CUDA only; no effect on CPU)")
     buffer_count: Int = Field(4, ge=1, description="sub-group buffers in the pool (nvme): 3 overlap reading the "
-                                                   "next sub-group, stepping this one and writing the previous")
+                                                   "next sub-group, stepping this one and writing the previous; "
+                                                   "at stages 2-3 also the size of backward's gradient ring, in "
+                                                   "master chunks (gradients that fit in it never reach the disk)")
     fast_init: Bool = Field(False, description="accepted for DeepSpeed; optimizer states are always created by "
                                                "the first step, sub-group by sub-group, never staged at start-up")
     ratio: Float = Field(1.0, gt=0, le=1, description="share of the optimizer offloaded (only 1.0: partial "

@@ -46,9 +46,10 @@ def estimate_zero_memory(model_or_num_params, num_ranks: int, stage: int, precis
     chunks, reduce_bucket_size/N elements each, as fit in sub_group_size; one when a chunk is
     larger; at most this rank's whole partition). At stages 2 and 3 the reduced fp32 gradient
     partition goes to the swap files too (4 Psi/N bytes of disk, each master chunk's region padded
-    to 4 KiB): memory keeps the step's read buffers, min(buffer_count, sub-groups) of 4 bytes per
-    sub-group element, and backward's write buffers, min(buffer_count, chunks) of one chunk each
-    (stage 1's reduced chunks are views of its full gradient buffer and stay). "cpu" on a
+    to 4 KiB): memory keeps backward's ring of min(buffer_count, chunks) chunks and the step's
+    read buffers, min(buffer_count, sub-groups) of 4 bytes per sub-group element (neither the
+    files nor the read buffers when the partition fits in the ring; stage 1's reduced chunks are
+    views of its full gradient buffer and stay). "cpu" on a
     CPU-only machine is the in-memory path (host memory on a GPU: the same bytes, on the host).
 
     offload_param "nvme" (stage 3): the partitions of the partitioned parameters go to swap files,
@@ -94,10 +95,12 @@ def estimate_zero_memory(model_or_num_params, num_ranks: int, stage: int, precis
         group = min(max(chunk, (sub_group_size // chunk) * chunk), partition)
         buffers = min(buffer_count, max(1, -(-int(partition) // int(group))))
         optim = buffers * per_param * group
-        if stage >= 2:  # the gradient partition on disk; read buffers of the step, write buffers of backward
+        if stage >= 2:  # read buffers of the step, backward's ring; on disk what does not fit in the ring
             chunks = max(1, -(-int(partition) // int(chunk)))
-            disk += 4 * (partition + chunks * GRAD_ALIGN_ELEMENTS / 2)  # (half a block of padding per chunk)
-            grads = buffers * 4 * group + min(buffer_count, chunks) * 4 * chunk
+            grads = min(buffer_count, chunks) * 4 * chunk
+            if buffer_count < chunks:  # (else the partition stays in the ring: no file, no read buffer)
+                disk += 4 * (partition + chunks * GRAD_ALIGN_ELEMENTS / 2)  # (half a block of padding per chunk)
+                grads += buffers * 4 * group + 4 * chunk  # (and a chunk to accumulate evicted ones in)
     elif offload_optimizer not in ("none", "cpu"):
         raise ValueError(f"offload_optimizer must be none, cpu or nvme, got {offload_optimizer!r}")
     return {"parameters": params, "gradients": grads, "optimizer_states": optim, "total": params + grads + optim,

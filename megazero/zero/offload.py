@@ -375,7 +375,7 @@ class OffloadedState:
                 reads[i] = (self.files.submit_read(sg.name, buffer[:sg.kinds_saved * sg.padded])
                             if sg.kinds_saved else None)
             if self.grads is not None:  # its gradients beside its masters and moments
-                grad_reads[i] = self.grads.submit_reads(sg, self._grad_slot(i % k, sg.grad_padded))
+                grad_reads[i] = self.grads.submit_reads(sg, lambda: self._grad_slot(i % k, sg.grad_padded))
 
         grown = False  # the first step made new states: a sub-group's buffer grew
         for i, sg in enumerate(self.groups):

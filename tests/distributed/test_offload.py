@@ -21,7 +21,7 @@ import torch.distributed as dist
 from megazero.ops.aio import AsyncIO
 from megazero.profiling.memory import estimate_zero_memory, tensor_bytes
 from megazero.zero.swap import OWNER_FILE, ROOT_NAME, StaleSwapError, SwapDirectory, SwapFiles
-from tests.training_helpers import base_config, build_engine, train
+from tests.training_helpers import base_config, build_engine, full_parameters, global_mean, train
 
 STEPS = 2  # the second step reads back what the first wrote
 
@@ -198,6 +198,43 @@ def test_swap_files_are_per_run_removed_at_exit_and_never_read_stale(tmp_path):
     files.close()
     other.close()
     assert os.listdir(tmp_path / ROOT_NAME) == []
+
+
+def _gradient_ring(prefix: str, tmp: str) -> dict:
+    """Stages 2 and 3: reduced gradient chunks stay in backward's ring until it needs their place.
+    A partition that fits (a large buffer_count) is never written nor read back; one that does not
+    has its chunks written as they are evicted, and the step takes those still in the ring from
+    memory. Both equal the in-memory run bit for bit (accumulation 2, clipping, dropout)."""
+    out = {}
+    for stage in (2, 3):
+        plain = train(_config(stage, True), prefix, STEPS)
+        for buffer_count in (64, 2):
+            nvme = {"device": "nvme", "nvme_path": os.path.join(tmp, f"nvme-ring{buffer_count}"),
+                    "buffer_count": buffer_count}
+            engine, loader = build_engine(_config(stage, True, nvme), prefix)
+            data, losses = iter(loader), []
+            for _ in range(STEPS):
+                losses.append(global_mean(engine.train_batch(data).item(), engine))
+            grads = engine.dp.grads
+            chunks = sum(len(sg.chunks) for sg in engine.dp.groups)
+            names = os.listdir(engine.dp.files.directory.path)
+            case = f"stage{stage} buffer_count {buffer_count}"
+            out[f"{case}: equal"] = _equal(plain, {"losses": losses, "params": full_parameters(engine)})
+            if buffer_count == 64:
+                out[f"{case}: no gradient file"] = (not any(n.startswith("gradients") for n in names)
+                                                    and grads.chunks_written == grads.chunks_read == 0)
+            else:  # every micro-batch reduces every chunk; some never reach the disk
+                out[f"{case}: evicted, some kept"] = 0 < grads.chunks_written < STEPS * 2 * chunks
+            engine.dp.close()
+    out["rank"] = dist.get_rank()
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_gradient_chunks_stay_in_the_ring_until_evicted(pools, token_dataset_prefix_module, tmp_path, world_size):
+    for result in pools(world_size).run(_gradient_ring, token_dataset_prefix_module, str(tmp_path)):
+        failed = [k for k, v in result.items() if v is False]
+        assert not failed, f"rank {result['rank']}: {failed}"
 
 
 def _states(optimizer) -> list[torch.Tensor]:
