@@ -269,7 +269,9 @@ class PipelineConfig(Section):
                                   "(Megatron's account_for_loss_in_pipeline_split), or by measured time (measured: "
                                   "a layer's, the embeddings' and the head and loss's forward + backward timed at "
                                   "build time on every rank, GPT and Llama); with v > 1 chunks compute and measured "
-                                  "balance each rank's total; checkpoints load at any")
+                                  "take the split whose interleaved schedule simulates the shortest step at the "
+                                  "run's micro-batches per step (`megazero.pipeline.schedule_simulation`); "
+                                  "checkpoints load at any")
 
 
 # an engine key, not a model one: megazero.tensor_parallel.invariant_dropout's docstring says why
