@@ -247,6 +247,23 @@ def partition_method(args: argparse.Namespace) -> str:
     return flag or explicit or "parameters"
 
 
+def pipeline_split(model: torch.nn.Module, grid, method: str) -> str:
+    """At PP > 1, the line that says how the layers were split (a collective over each pipeline):
+    each stage's layers, or with v model chunks each stage's chunks, e.g. "pipeline: 2 stages x 2
+    model chunks, split measured: layers [0-4, 9-14 | 4-9, 14-16]"; "" at PP = 1."""
+    from megazero.pipeline.chunks import ModelChunks
+
+    stages = grid.pipeline_model_parallel_size
+    if stages == 1:
+        return ""
+    chunks = list(model.chunks) if isinstance(model, ModelChunks) else [model]
+    mine = ", ".join(f"{c.layers.start}-{c.layers.stop}" for c in chunks)
+    everyone = [None] * stages
+    dist.all_gather_object(everyone, mine, group=grid.pp_group)
+    shape = f"{stages} stages x {len(chunks)} model chunks" if len(chunks) > 1 else f"{stages} stages"
+    return f"pipeline: {shape}, split {method}: layers [{' | '.join(everyone)}]"
+
+
 def microbatches_per_step(args: argparse.Namespace) -> int | None:
     """The run's micro-batches per step on each pipeline (gradient_accumulation_steps, from the
     engine config's batch triad with the recipe's flags): what parallelize chooses an interleaved
@@ -611,6 +628,9 @@ def train(args: argparse.Namespace, model: torch.nn.Module, train_data, *, grid,
               f"{grid.data_parallel_size}{ep}, batch {engine.train_batch_size()} = "
               f"{engine.train_micro_batch_size_per_gpu()} x {engine.gradient_accumulation_steps()} x "
               f"{engine.dp_world_size}, {engine.config.compute_dtype}{extra}", flush=True)
+    split = pipeline_split(model, grid, partition_method(args))
+    if rank == 0 and split:
+        print(split, flush=True)
     stop = StopSignal()
     try:
         val_loss, reason = train_loop(engine, loader, args, ProgressLog(engine, args, flops_per_token, peak, rank),
