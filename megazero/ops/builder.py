@@ -90,7 +90,8 @@ _keys: dict[tuple, str] = {}  # computed once per process: building may change t
 
 def build_key(spec: OpSpec) -> str:
     """Hash of everything that makes a build reusable."""
-    sources = tuple(os.path.getmtime(os.path.join(CSRC, s)) for s in spec.sources)
+    sources = tuple(os.path.getmtime(os.path.join(CSRC, s)) for s in spec.sources
+                    + [n for n in sorted(os.listdir(CSRC)) if n.endswith(".h")])
     memo = (spec.name, tuple(spec.sources), sources)
     if memo not in _keys:
         _keys[memo] = _compute_key(spec)
@@ -104,7 +105,9 @@ def _compute_key(spec: OpSpec) -> str:
     for part in (torch.__version__, str(torch.version.cuda), _compiler_version(), _target(),
                  " ".join(spec.cflags + spec.ldflags + spec.cuda_cflags), CSRC, os.path.dirname(torch.__file__)):
         h.update(part.encode())
-    for source in spec.sources:
+    # the sources and the headers beside them (which they include: op_headers.h)
+    headers = sorted(name for name in os.listdir(CSRC) if name.endswith(".h"))
+    for source in [*spec.sources, *headers]:
         with open(os.path.join(CSRC, source), "rb") as f:
             h.update(f.read())
     return h.hexdigest()[:16]

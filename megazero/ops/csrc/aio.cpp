@@ -21,14 +21,7 @@
 // A direct write first grows a shorter file to its end (see extend). single_submit: a request has
 // at most one chunk in flight. overlap_events=false: requests run one after the other in
 // submission order (the next starts when the previous has finished).
-// ATen's tensor and the few factory ops used, and pybind11 with torch's tensor casters: not
-// <torch/extension.h> (all of libtorch's C++ API), whose parsing was 3/4 of each build's time
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
-#include <ATen/ops/zeros.h>
-#include <ATen/ops/zeros_like.h>
-#include <torch/csrc/utils/pybind.h>
+#include "op_headers.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>

@@ -6,14 +6,7 @@
 // Threads: OpenMP over fixed chunks of rows (kRowsPerChunk, set by the shape, not the thread
 // count); dweight sums each chunk's rows in order into its own partial row, then the chunks in
 // order, so results do not depend on the thread count (deterministic, as the CUDA backward).
-// ATen's tensor and the few factory ops used, and pybind11 with torch's tensor casters: not
-// <torch/extension.h> (all of libtorch's C++ API), whose parsing was 3/4 of each build's time
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
-#include <ATen/ops/zeros.h>
-#include <ATen/ops/zeros_like.h>
-#include <torch/csrc/utils/pybind.h>
+#include "op_headers.h"
 
 #include <c10/util/BFloat16.h>
 

@@ -7,14 +7,7 @@
 // target attributes, and the variant is picked at run time from what the CPU supports. Threads:
 // OpenMP over fixed blocks; the reductions sum each block in a fixed order and then the blocks in
 // order, so results do not depend on the thread count.
-// ATen's tensor and the few factory ops used, and pybind11 with torch's tensor casters: not
-// <torch/extension.h> (all of libtorch's C++ API), whose parsing was 3/4 of each build's time
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
-#include <ATen/ops/zeros.h>
-#include <ATen/ops/zeros_like.h>
-#include <torch/csrc/utils/pybind.h>
+#include "op_headers.h"
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
