@@ -100,11 +100,7 @@ def balanced_interleaved_layers(layer_weights: list[int], num_stages: int, num_c
                   for c in range(v)]
         for c, count in enumerate(_water_fill([1] * v, extras, weight, per_rank[s] - v)):
             counts[c * p + s] = count
-    ranges, start = [], 0
-    for k in range(p * v):
-        ranges.append(range(start, start + counts[k]))
-        start += counts[k]
-    return ranges
+    return _ranges(tuple(counts[k] for k in range(p * v)))
 
 
 # interleaved splits are searched exhaustively up to this many candidates (16 layers in 2 x 2
