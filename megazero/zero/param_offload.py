@@ -79,6 +79,10 @@ class PartitionBuffers:
         self.peak_in_use = max(self.peak_in_use, self.in_use)
         return self._free.pop()
 
+    def available(self) -> bool:
+        """Whether take() would return a buffer (one free and large enough, or one more to make)."""
+        return self.made < self.count or any(b.numel() >= self.nbytes for b in self._free)
+
     def give(self, buffer: torch.Tensor) -> None:
         """Return a buffer from take()."""
         self.in_use -= 1
@@ -164,6 +168,23 @@ class ParamSwapper:
         self._allocate(shard)
         self._reads[id(shard)] = self.files.submit_read(shard.swap_name, shard.shard)
         self.reads += 1
+
+    def read_ahead(self, shard) -> bool:
+        """Start reading `shard`'s partition ahead of its gather, only into a free pool buffer (no
+        cached partition's buffer is taken back and no memory of its own is made for it: a read
+        ahead must not grow memory). False when none is free, or it is in memory or on its way."""
+        if id(shard) in self._cache or not self.pool.available():
+            return False
+        self.submit_load(shard)
+        return True
+
+    def forget(self, shard) -> None:
+        """A read ahead that will not be gathered: land it, then let it leave memory (max_in_cpu)."""
+        request = self._reads.pop(id(shard), None)
+        if request is not None:
+            self.files.wait(request)
+        self._in_use.discard(id(shard))
+        self._evict(self.max_in_cpu)
 
     def load(self, shard) -> None:
         """`shard`'s partition is in memory when this returns (in use until done() or write_back())."""
