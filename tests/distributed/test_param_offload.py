@@ -4,9 +4,9 @@ bit for bit the in-memory stage-3 run at DP=1 and DP=2, fp32 and bf16, with accu
 and dropout (per world size one dtype alone, the other with offload_optimizer nvme too and some
 partitions cached), also for a model zero.Init built straight into swap files (holding nothing);
 the partitions held in memory stay under three partitions' worth (the unit gathered, the next
-one and the one read ahead); a partition is read ahead one unit before its gather starts; device cpu on CPU is the in-memory
-path. Also: after each optimizer step the persistent parameters are re-gathered in one all-gather
-per reduce bucket, not one per unit."""
+one and the one read ahead); a partition is read ahead one unit before its gather starts; device
+cpu on CPU is the in-memory path. Also: after each optimizer step the persistent parameters are
+re-gathered in one all-gather per reduce bucket, not one per unit."""
 
 from __future__ import annotations
 
