@@ -411,8 +411,9 @@ class _ParamWaits:
         for label, f in files.items():
             if f is not None:
                 f.wait = self._timed(f.wait, label)
-        for name in ("step", "update_model"):
-            setattr(state, name, self._in_phase(getattr(state, name), name))
+        for name in ("step", "update_model"):  # (step: the offloaded optimizer's sub-group loop)
+            if hasattr(state, name):
+                setattr(state, name, self._in_phase(getattr(state, name), name))
 
     def _timed(self, wait, label: str):
         def run(*a, **k):

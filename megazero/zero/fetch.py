@@ -66,6 +66,7 @@ class UnitFetcher:
         self.prefetch_numel = prefetch_numel
         self.prefetches = 0  # gathers started ahead of use
         self.read_aheads = 0  # units whose partitions were read ahead of their gather's start
+        self.read_ahead_depth = 1  # units read ahead beyond the prefetched one (0: none)
         self._ahead: dict[int, Unit] = {}  # read ahead, gather not started yet
         self.order: list[Unit] = []  # units in the order the first step's forwards ran them
         self.order_done = False
@@ -151,8 +152,11 @@ class UnitFetcher:
             return
         if self.prefetch(candidate):
             self.prefetches += 1
-        ahead = self._next_in_order(self._position[id(candidate)], step)
-        if ahead is not None and ahead.numel <= self.prefetch_numel:
+        ahead = candidate
+        for _ in range(self.read_ahead_depth):
+            ahead = self._next_in_order(self._position[id(ahead)], step)
+            if ahead is None or ahead.numel > self.prefetch_numel:
+                break
             self.read_ahead(ahead)
 
     def _next_in_order(self, index: int, step: int) -> Unit | None:
