@@ -9,7 +9,9 @@ machinery above is unchanged: `UnitFetcher` still only calls `_Shard.start_gathe
   all-gathered. At DP=1 the wait for the read is deferred to the handle's wait(), so a prefetched
   unit's read overlaps the current unit's compute; at DP>1 the read is waited for before the
   all-gather is started (collectives must start in the same order on every rank), and the gather
-  overlaps compute as without offload.
+  overlaps compute as without offload. So that this wait finds the read done, the fetcher reads
+  ahead (read_ahead()) the partition of the unit after the prefetched one, one unit before its
+  gather starts, into a free pool buffer only (forget(): a read ahead whose unit never ran).
 - A partition read back (or held for an overwrite) lands in a buffer of the pool (DeepSpeed's
   `buffer_count` buffers of `buffer_size` elements; `PartitionBuffers`), reused from one partition
   to the next, 4096-aligned so the op can use O_DIRECT: what fetches hold in memory is bounded by
