@@ -3,7 +3,9 @@
 side by side in one run, and the aio op's bandwidth during it next to `dd` with direct I/O on the
 same file system. With --param-offload, stage 3 only: in memory, parameter offload to NVMe
 (`offload_param.device: nvme`, max_in_cpu 0: every partition read back for each use) and both
-offloads, the same way (ratios to in-memory stage 3).
+offloads, the same way (ratios to in-memory stage 3), on --dp ranks (default 1; the same tokens
+per step); --breakdown then adds each engine's phases and its waits on the parameter and optimizer
+swap files by phase (benchmarks/results/param_offload[_dp<N>].json).
 
 One process (one gloo rank, the machine's threads), bf16, AdamW (megazero's CPU op), the same
 data and initial weights for every configuration. All six engines live in the process and take
@@ -69,7 +71,8 @@ def _engine(args, stage: int, offload, prefix: str, micro_batch: int | None = No
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": args.nvme_path}
     if offload in ("param", "both"):
         zero["offload_param"] = {"device": "nvme", "nvme_path": args.nvme_path, "max_in_cpu": 0}
-    config = {"train_batch_size": micro_batch * accumulation, "train_micro_batch_size_per_gpu": micro_batch,
+    world = dist.get_world_size()
+    config = {"train_batch_size": micro_batch * accumulation * world, "train_micro_batch_size_per_gpu": micro_batch,
               "gradient_accumulation_steps": accumulation, "bf16": {"enabled": True}, "gradient_clipping": 1.0,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": zero,
               "steps_per_print": 10**9, "wall_clock_breakdown": getattr(args, "breakdown", False)}
@@ -212,6 +215,8 @@ def main(argv=None) -> None:
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--param-offload", action="store_true",
                         help="stage 3 only: in memory, parameter offload, both offloads")
+    parser.add_argument("--dp", type=int, default=1,
+                        help="--param-offload: data-parallel ranks (processes), micro-batch --batch / --dp each")
     parser.add_argument("--deepspeed", action="store_true",
                         help="DP=2, ZeRO-3 + optimizer and parameter offload: megazero against DeepSpeed")
     parser.add_argument("--ds-device", choices=("auto", "nvme", "cpu"), default="auto",
@@ -234,6 +239,8 @@ def main(argv=None) -> None:
                       WORLD_SIZE="1", LOCAL_RANK="0")
     dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(minutes=30))
     if args.param_offload:
+        if args.batch % args.dp:
+            raise SystemExit(f"--dp {args.dp}: --batch {args.batch} is not a multiple of it")
         return _param_offload(args)
     if not args.tokens_per_step:
         _cost(args, args.batch, 1, args.out, full=True)
@@ -346,27 +353,128 @@ def _cost(args, micro_batch: int, accumulation: int, out: str, full: bool) -> li
 
 
 def _param_offload(args) -> None:
-    """Stage 3 in memory, with parameter offload, with both offloads: alternating trials, as main()."""
+    """Stage 3 in memory, with parameter offload, with both offloads: alternating trials, as main(),
+    on --dp ranks (each with a micro-batch of --batch / --dp: the same tokens per step)."""
     names = [False, *PARAM_KINDS]
-    engines = {n: _engine(args, 3, n, args.prefix) for n in names}
-    for engine, data in engines.values():  # warm-up: the first step makes the optimizer states
-        engine.train_batch(data)
-    times = _alternating_trials(engines, names, args)
-    psi = sum(s.numel() for s in engines[False][0].dp.parameter_shapes().values())
+    if args.dp == 1:
+        result = _param_offload_trials(args, names)
+    else:
+        dist.destroy_process_group()
+        from bench_zero import spawn_workers
+
+        (result,) = spawn_workers(_param_offload_worker, (args, names), args.dp, 1)
+    times = {n: result["times"][str(n)] for n in names}
     rows = [{"offload": n or "none", "s_per_step": statistics.median(times[n]),
              "ratio": statistics.median([o / p for o, p in zip(times[n], times[False])])} for n in names]
-    print(f"GPT {psi / 1e6:.1f} M parameters, bf16, AdamW, stage 3; swap files in {args.nvme_path}")
+    load = os.getloadavg()
+    print(f"GPT {result['num_params'] / 1e6:.1f} M parameters, bf16, AdamW, stage 3, DP={args.dp} "
+          f"(micro-batch {args.batch // args.dp} per rank); swap files in {args.nvme_path}; "
+          f"load average {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}")
     print(f"{'offload':<9}{'s/step':>10}{'/ in memory':>13}")
     for r in rows:
         print(f"{r['offload']:<9}{r['s_per_step']:>10.3f}{r['ratio']:>13.2f}")
-    out = args.out.replace("offload.json", "param_offload.json")
+    if args.breakdown:
+        _print_param_breakdown(result["breakdown"])
+    suffix = "" if args.dp == 1 else f"_dp{args.dp}"
+    out = args.out.replace("offload.json", f"param_offload{suffix}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
-        json.dump({"num_params": psi, "rows": rows, "args": vars(args)}, f, indent=2)
+        json.dump({"num_params": result["num_params"], "rows": rows, "breakdown": result.get("breakdown"),
+                   "load_average": load, "args": vars(args)}, f, indent=2)
+    if args.dp == 1:
+        dist.destroy_process_group()
+
+
+def _param_offload_worker(rank: int, world: int, port: int, args, names: list, queue) -> None:
+    from bench_zero import init_process
+
+    init_process(rank, world, port)
+    result = _param_offload_trials(args, names)
+    if rank == 0:
+        queue.put(result)
+    dist.destroy_process_group()
+
+
+class _ParamWaits:
+    """Seconds an engine spent blocked on each of its swap files' aio waits (parameter files,
+    optimizer files), by where: forward and backward, the optimizer step (where stage 3 with both
+    offloads also casts the masters into the parameter partitions and writes them back),
+    update_model (parameter offload alone: the casts and write-backs)."""
+
+    def __init__(self, engine):
+        self.seconds: dict[str, float] = {}
+        self._phase = "fwd_bwd"
+        state = engine.dp
+        inner = getattr(state, "inner", state)
+        files = {"param": getattr(getattr(inner, "param_swap", None), "files", None),
+                 "optimizer": getattr(state, "files", None)}
+        for label, f in files.items():
+            if f is not None:
+                f.wait = self._timed(f.wait, label)
+        for name in ("step", "update_model"):  # (step: the offloaded optimizer's sub-group loop)
+            if hasattr(state, name):
+                setattr(state, name, self._in_phase(getattr(state, name), name))
+
+    def _timed(self, wait, label: str):
+        def run(*a, **k):
+            start = time.perf_counter()
+            try:
+                return wait(*a, **k)
+            finally:
+                key = f"{label} in {self._phase}"
+                self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - start
+
+        return run
+
+    def _in_phase(self, method, phase: str):
+        def run(*a, **k):
+            self._phase = phase
+            try:
+                return method(*a, **k)
+            finally:
+                self._phase = "fwd_bwd"
+
+        return run
+
+
+def _param_offload_trials(args, names: list) -> dict:
+    """This rank's engines, warm-up and alternating trials (a barrier before each at DP > 1)."""
+    world = dist.get_world_size()
+    engines = {n: _engine(args, 3, n, args.prefix, micro_batch=args.batch // world) for n in names}
+    waits = {n: _ParamWaits(engines[n][0]) for n in names} if args.breakdown else {}
+    for engine, data in engines.values():  # warm-up: the first step makes the optimizer states
+        engine.train_batch(data)
+        engine.timers.means_ms(list(PHASES))  # (reset)
+    for w in waits.values():
+        w.seconds.clear()
+    times = {n: [] for n in names}
+    for _ in range(args.trials):
+        for n in names:
+            engine, data = engines[n]
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                engine.train_batch(data)
+            times[n].append((time.perf_counter() - start) / args.steps)
+    steps = args.trials * args.steps
+    breakdown = {str(n): {**engines[n][0].timers.means_ms(list(PHASES)),
+                          **({k: 1000 * v / steps for k, v in waits[n].seconds.items()} if waits else {})}
+                 for n in names} if args.breakdown else None
+    psi = sum(s.numel() for s in engines[False][0].dp.parameter_shapes().values())
     for engine, _ in engines.values():
         if hasattr(engine.dp, "close"):
             engine.dp.close()
-    dist.destroy_process_group()
+    return {"times": {str(n): t for n, t in times.items()}, "breakdown": breakdown, "num_params": psi}
+
+
+def _print_param_breakdown(breakdown: dict) -> None:
+    """ms per step of each engine phase and of its waits on the swap files (rank 0)."""
+    waits = sorted({k for b in breakdown.values() for k in b if k not in PHASES})
+    print("ms per step (rank 0): " + ", ".join(PHASES) + "; waits on the aio op: " + ", ".join(waits))
+    for n, b in breakdown.items():
+        label = {"False": "none"}.get(n, n)
+        print(f"{label:<9}" + "".join(f"{b[p]:>9.1f}" for p in PHASES) + " |"
+              + "".join(f"{b.get(k, 0.0):>9.1f}" for k in waits))
 
 
 # ---- --deepspeed: megazero against DeepSpeed, DP=2 -------------------------------------------------

@@ -9,13 +9,18 @@ the engine go through; nothing else makes a unit whole or frees it:
     release_all()          release every unit (end of backward)
     record(unit)           the first step's order of unit forwards (the prefetch order)
     prefetch_next(unit, step)  prefetch the nearest unit after (+1) / before (-1) `unit` in that
-                           order that has something to gather, if it is within the prefetch size
+                           order that has something to gather, if it is within the prefetch size,
+                           and start reading the partitions of the one after it (read_ahead)
     live_bytes / peak_bytes / reset_peak()   whole non-persistent parameter bytes held (buffers
                            of gathers in flight included)
 
 A unit's parameters are made whole by its shards (`_Shard.start_gather`, an all-gather of this
 rank's chunks into a new buffer the parameters then point into) and freed by `_Shard.release`;
 a placement of the partitions elsewhere (host memory, NVMe) replaces those two, under this class.
+`_Shard.read_ahead` (a no-op for partitions in memory) starts bringing a partition into memory one
+unit before its gather starts, so that at DP>1, where a gather must wait for its partition before
+the collective starts, the read has had a whole unit's compute to land; `_Shard.cancel_read`
+gives it up (a read-ahead unit that never ran).
 """
 
 from __future__ import annotations
@@ -60,6 +65,9 @@ class UnitFetcher:
         self.units: list[Unit] = []
         self.prefetch_numel = prefetch_numel
         self.prefetches = 0  # gathers started ahead of use
+        self.read_aheads = 0  # units whose partitions were read ahead of their gather's start
+        self.read_ahead_depth = 1  # units read ahead beyond the prefetched one (0: none)
+        self._ahead: dict[int, Unit] = {}  # read ahead, gather not started yet
         self.order: list[Unit] = []  # units in the order the first step's forwards ran them
         self.order_done = False
         self._position: dict[int, int] = {}
@@ -75,6 +83,7 @@ class UnitFetcher:
     # ---- moving parameters ---------------------------------------------------------------------
     def prefetch(self, unit: Unit) -> bool:
         """Start gathering `unit` without waiting; False if it is whole or already on its way."""
+        self._ahead.pop(id(unit), None)
         if unit.gathered or unit.pending:
             return False
         unit.pending = [s.start_gather() for s in unit.shards if not s.persistent]
@@ -110,6 +119,11 @@ class UnitFetcher:
         """Release every unit."""
         for unit in self.units:
             self.release(unit)
+        for unit in self._ahead.values():  # read ahead for a forward that did not run it
+            for shard in unit.shards:
+                if not shard.persistent:
+                    shard.cancel_read()
+        self._ahead.clear()
 
     def reset_peak(self) -> None:
         """Start measuring peak_bytes anew from what is held now."""
@@ -128,14 +142,35 @@ class UnitFetcher:
 
     def prefetch_next(self, unit: Unit, step: int) -> None:
         """Prefetch the nearest unit after (step +1: forward) or before (-1: backward) `unit` that
-        has non-persistent parameters, if it is not larger than prefetch_numel."""
+        has non-persistent parameters, if it is not larger than prefetch_numel; then read ahead the
+        partitions of the nearest such unit beyond it (its gather starts at the next unit)."""
         index = self._position.get(id(unit))
         if not self.order_done or index is None:
             return
+        candidate = self._next_in_order(index, step)
+        if candidate is None or candidate.numel > self.prefetch_numel:
+            return
+        if self.prefetch(candidate):
+            self.prefetches += 1
+        ahead = candidate
+        for _ in range(self.read_ahead_depth):
+            ahead = self._next_in_order(self._position[id(ahead)], step)
+            if ahead is None or ahead.numel > self.prefetch_numel:
+                break
+            self.read_ahead(ahead)
+
+    def _next_in_order(self, index: int, step: int) -> Unit | None:
         index += step
         while 0 <= index < len(self.order) and self.order[index].numel == 0:
             index += step
-        if 0 <= index < len(self.order):
-            candidate = self.order[index]
-            if candidate.numel <= self.prefetch_numel and self.prefetch(candidate):
-                self.prefetches += 1
+        return self.order[index] if 0 <= index < len(self.order) else None
+
+    def read_ahead(self, unit: Unit) -> None:
+        """Start reading `unit`'s partitions into memory (where they are placed elsewhere and a
+        buffer is free) before its gather starts."""
+        if unit.gathered or unit.pending or id(unit) in self._ahead:
+            return
+        started = [s.read_ahead() for s in unit.shards if not s.persistent]
+        if any(started):
+            self._ahead[id(unit)] = unit
+            self.read_aheads += 1

@@ -9,7 +9,9 @@ machinery above is unchanged: `UnitFetcher` still only calls `_Shard.start_gathe
   all-gathered. At DP=1 the wait for the read is deferred to the handle's wait(), so a prefetched
   unit's read overlaps the current unit's compute; at DP>1 the read is waited for before the
   all-gather is started (collectives must start in the same order on every rank), and the gather
-  overlaps compute as without offload.
+  overlaps compute as without offload. So that this wait finds the read done, the fetcher reads
+  ahead (read_ahead()) the partition of the unit after the prefetched one, one unit before its
+  gather starts, into a free pool buffer only (forget(): a read ahead whose unit never ran).
 - A partition read back (or held for an overwrite) lands in a buffer of the pool (DeepSpeed's
   `buffer_count` buffers of `buffer_size` elements; `PartitionBuffers`), reused from one partition
   to the next, 4096-aligned so the op can use O_DIRECT: what fetches hold in memory is bounded by
@@ -23,8 +25,12 @@ machinery above is unchanged: `UnitFetcher` still only calls `_Shard.start_gathe
   back when a read needs one). The tensor keeps its shape, its storage becomes 0 bytes, and its
   bucket views (`shard_views`) are made anew whenever its memory changes.
 - After the optimizer step the masters are cast into each partition one at a time, which is then
-  written back (update_model), each write overlapping the next partition's cast (two in memory at
-  most), the last waited for; nothing is read for that, since the cast overwrites it all.
+  written back (update_model, or the offloaded optimizer's step sub-group by sub-group), up to
+  `buffer_count` - 1 writes left in flight while the next partitions are cast (their buffers are the
+  pool's: a cast that finds none free waits for the oldest write), the last waited for at the end
+  of the pass; nothing is read for that, since the cast overwrites it all. (One write in flight
+  made the step wait on each write in turn, behind the optimizer's own sub-group I/O, with both
+  offloads.)
 
 Persistent parameters (under stage3_param_persistence_threshold) stay whole in memory, as in
 DeepSpeed. An fp32 model's partitions are normally its master weights themselves; with parameter
@@ -79,6 +85,10 @@ class PartitionBuffers:
         self.peak_in_use = max(self.peak_in_use, self.in_use)
         return self._free.pop()
 
+    def available(self) -> bool:
+        """Whether take() would return a buffer (one free and large enough, or one more to make)."""
+        return self.made < self.count or any(b.numel() >= self.nbytes for b in self._free)
+
     def give(self, buffer: torch.Tensor) -> None:
         """Return a buffer from take()."""
         self.in_use -= 1
@@ -96,6 +106,7 @@ class ParamSwapper:
         self.files = files
         self.max_in_cpu = max_in_cpu
         self.pool = PartitionBuffers(buffer_count, buffer_size)
+        self.writes_in_flight = max(1, buffer_count - 1)  # write-backs left in flight during an update pass
         self._pooled: dict[int, torch.Tensor] = {}  # id(shard) -> the pool buffer its partition is in
         self._in_use: set[int] = set()  # loaded or held, not done with yet: never evicted for a buffer
         self._writing: OrderedDict[int, tuple] = OrderedDict()  # id(shard) -> (shard, write request), oldest first
@@ -137,6 +148,9 @@ class ParamSwapper:
     def _allocate(self, shard) -> None:
         self._in_use.add(id(shard))
         buffer = self.pool.take()
+        while buffer is None and self._writing:  # writes in flight hold buffers: the oldest lands first
+            self._finish_writes(keep=len(self._writing) - 1)
+            buffer = self.pool.take()
         if buffer is None:  # take back the buffer of the least recently used cached partition
             victim = next((s for k, s in self._cache.items() if k in self._pooled and k not in self._in_use
                            and k not in self._reads and k not in self._writing), None)
@@ -165,6 +179,23 @@ class ParamSwapper:
         self._reads[id(shard)] = self.files.submit_read(shard.swap_name, shard.shard)
         self.reads += 1
 
+    def read_ahead(self, shard) -> bool:
+        """Start reading `shard`'s partition ahead of its gather, only into a free pool buffer (no
+        cached partition's buffer is taken back and no memory of its own is made for it: a read
+        ahead must not grow memory). False when none is free, or it is in memory or on its way."""
+        if id(shard) in self._cache or not self.pool.available():
+            return False
+        self.submit_load(shard)
+        return True
+
+    def forget(self, shard) -> None:
+        """A read ahead that will not be gathered: land it, then let it leave memory (max_in_cpu)."""
+        request = self._reads.pop(id(shard), None)
+        if request is not None:
+            self.files.wait(request)
+        self._in_use.discard(id(shard))
+        self._evict(self.max_in_cpu)
+
     def load(self, shard) -> None:
         """`shard`'s partition is in memory when this returns (in use until done() or write_back())."""
         self.submit_load(shard)
@@ -187,9 +218,10 @@ class ParamSwapper:
 
     def write_back(self, shard) -> None:
         """Write `shard`'s (changed) partition to its file, then drop what max_in_cpu does not keep.
-        The write is waited for at the next write_back (so it overlaps the caller's cast of the next
-        partition: two partitions in memory at most), at once when every swapped partition has been
-        written since the last fetch (the end of an update pass), or before anything else touches it."""
+        The write stays in flight while the caller casts the next partitions (up to buffer_count - 1
+        writes, each in its pool buffer), is waited for at once when every swapped partition has
+        been written since the last fetch (the end of an update pass), when a buffer is needed, or
+        before anything else touches it."""
         key = id(shard)
         if key in self._writing:
             self._finish_writes(only=key)
@@ -199,7 +231,7 @@ class ParamSwapper:
         last = len(self._pass) >= len(self.shards)
         if last:
             self._pass.clear()
-        self._finish_writes(keep=0 if last else 1)
+        self._finish_writes(keep=0 if last else self.writes_in_flight)
 
     def _finish_writes(self, keep: int = 0, only: int | None = None) -> None:
         """Wait for the oldest writes until `keep` are in flight (or for `only`'s), then evict."""
@@ -216,10 +248,13 @@ class ParamSwapper:
         self._finish_writes()
 
     def _evict(self, limit: int) -> None:
-        while self.resident_numel > limit and self._cache:
-            key = next(k for k in self._cache)  # least recently used
-            if key in self._reads or key in self._writing:  # in flight: only the partitions before it go
+        for key in list(self._cache):  # least recently used first
+            if self.resident_numel <= limit:
                 break
+            # in flight, or held (e.g. a partition being cast whose last masters are in the next
+            # sub-group, while the writes of others land): it stays
+            if key in self._reads or key in self._writing or key in self._in_use:
+                continue
             self._drop(self._cache[key])
 
     def _drop(self, shard) -> None:

@@ -133,6 +133,16 @@ class _Shard:
                  for b in self.layout.buckets]
         return Handle(inner, lambda: self._gathered(full))
 
+    def read_ahead(self) -> bool:
+        """Start reading the partition from its swap file ahead of start_gather(), into a free
+        buffer of the pool (False: in memory already, on its way, no buffer free, or not swapped)."""
+        return self.swap is not None and self.swap.read_ahead(self)
+
+    def cancel_read(self) -> None:
+        """A read_ahead() whose gather will not come: the partition may leave memory again."""
+        if self.swap is not None:
+            self.swap.forget(self)
+
     def release(self) -> None:
         """Free the full parameters (the Parameter objects stay, holding empty tensors)."""
         for p in self.layout.params:

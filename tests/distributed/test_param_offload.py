@@ -3,9 +3,10 @@ partitioned parameters live in swap files, are read back ahead of use and droppe
 bit for bit the in-memory stage-3 run at DP=1 and DP=2, fp32 and bf16, with accumulation, clipping
 and dropout (per world size one dtype alone, the other with offload_optimizer nvme too and some
 partitions cached), also for a model zero.Init built straight into swap files (holding nothing);
-the partitions held in memory stay under two units' worth; device cpu on CPU is the in-memory
-path. Also: after each optimizer step the persistent parameters are re-gathered in one all-gather
-per reduce bucket, not one per unit."""
+the partitions held in memory stay under three partitions' worth (the unit gathered, the next
+one and the one read ahead); a partition is read ahead one unit before its gather starts; device
+cpu on CPU is the in-memory path. Also: after each optimizer step the persistent parameters are
+re-gathered in one all-gather per reduce bucket, not one per unit."""
 
 from __future__ import annotations
 
@@ -111,8 +112,8 @@ def _offload_runs(prefix: str, tmp: str) -> dict:
     for _ in range(2):
         offloaded.train_batch(data)
     partitions = [s for s in state.parts if not s.persistent]
-    largest_two = sorted((s.shard.numel() for s in partitions), reverse=True)[:2]
-    out["peak resident"] = (swap.peak_resident_numel, sum(largest_two), sum(s.shard.numel() for s in partitions))
+    largest = sorted((s.shard.numel() for s in partitions), reverse=True)[:swap.pool.count]
+    out["peak resident"] = (swap.peak_resident_numel, sum(largest), sum(s.shard.numel() for s in partitions))
     out["resident after step"] = swap.resident_numel
     out["reads"] = swap.reads
     out["parameter bytes"] = (tensor_bytes(state.memory_tensors()["parameters"]),
@@ -155,8 +156,11 @@ def test_param_offload_equals_in_memory_and_bounds_memory(pools, token_dataset_p
         init = r["zero.Init on nvme"]
         assert init == {"held after Init": 0, "in swap files": True, "Init files removed": True,
                         "build peak within a unit": True, "equal": True}, init
-        peak, two, total = r["peak resident"]
-        assert peak <= two < total, r["peak resident"]  # never more than two partitions at once (max_in_cpu 0)
+        peak, pooled, total = r["peak resident"]
+        # never more than buffer_count partitions at once (max_in_cpu 0): in forward and backward
+        # three (test_param_offload_reads_a_partition_one_unit_before_its_gather), in the update
+        # the one cast and the writes in flight
+        assert peak <= pooled < total, r["peak resident"]
         assert r["resident after step"] == 0 and r["reads"] > 0
         offloaded, in_memory = r["parameter bytes"]
         assert offloaded < in_memory, r["parameter bytes"]  # only the persistent ones stay
@@ -164,12 +168,84 @@ def test_param_offload_equals_in_memory_and_bounds_memory(pools, token_dataset_p
         for kind, (measured, estimated) in r["measured vs estimate"].items():  # RAM and disk per rank
             assert abs(measured - estimated) <= 0.1 * estimated, (kind, r["measured vs estimate"])
         peak_buffers, made, count, overflows, sized = r["pool"]
-        assert peak_buffers <= 2 and made <= count and overflows == 0 and sized, r["pool"]
+        assert peak_buffers <= count and made <= count and overflows == 0 and sized, r["pool"]
         assert "offload_param.buffer_size=8 elements" in r["buffer_size error"], r["buffer_size error"]
         calls, packs, shards = r["persistent gathers"]
         if world_size > 1:
             assert calls == packs < shards, r["persistent gathers"]
         print(r)
+
+
+def _read_ahead_order(prefix: str, tmp: str) -> dict:
+    """The order of a step's events (after the first step, which learns the order) in forward: the
+    read of each unit's partition is submitted, and each unit's forward returns. With the read
+    ahead, the partition of the unit two places on in the prefetch order is submitted before this
+    unit's forward has computed; without it, only once the next unit's forward starts."""
+    nvme = {"device": "nvme", "nvme_path": os.path.join(tmp, "nvme"), "max_in_cpu": 0}
+    engine, loader = build_engine(_config(True, nvme), prefix)
+    data = iter(loader)
+    engine.train_batch(data)
+    state = _param_state(engine)
+    order = [u for u in state.fetcher.order if u.numel > 0]
+    position = {s.swap_name: i for i, u in enumerate(order) for s in u.shards if not s.persistent}
+    events: list[tuple[str, int]] = []
+    files = state.param_swap.files
+    submit_read = files.submit_read
+
+    def recording_read(name, *args, **kwargs):
+        events.append(("read", position[name]))
+        return submit_read(name, *args, **kwargs)
+
+    files.submit_read = recording_read
+    for i, unit in enumerate(order):
+        unit.module.register_forward_hook(lambda mod, args, out, i=i: events.append(("computed", i)))
+    swap = state.param_swap
+    swap.reset_peak()
+    update_model, before_update = state.update_model, {}
+
+    def measured_update(*args, **kwargs):  # the partitions held in forward and backward
+        before_update.update(resident=swap.peak_resident_numel, buffers=swap.pool.peak_in_use)
+        return update_model(*args, **kwargs)
+
+    state.update_model = measured_update
+    write_back, in_flight = swap.write_back, []
+
+    def counted_write_back(shard):  # write-backs left in flight as the next partitions are cast
+        write_back(shard)
+        in_flight.append(len(swap._writing))
+
+    swap.write_back = counted_write_back
+    engine.train_batch(data)
+    first = {}
+    for index, event in enumerate(events):
+        first.setdefault(event, index)
+    late = [j for j in range(2, len(order)) if first[("read", j)] > first[("computed", j - 2)]]
+    pool = swap.pool
+    largest_three = sum(sorted((s.shard.numel() for u in order for s in u.shards if not s.persistent),
+                               reverse=True)[:3])
+    return {"rank": dist.get_rank(), "units": len(order), "late": late, "read aheads": state.fetcher.read_aheads,
+            "overflows": pool.overflows, "peak buffers": pool.peak_in_use, "buffer count": pool.count,
+            "forward and backward": (before_update["resident"], largest_three, before_update["buffers"]),
+            "writes in flight": (max(in_flight), in_flight[-1], swap.writes_in_flight)}
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_param_offload_reads_a_partition_one_unit_before_its_gather(pools, token_dataset_prefix_module, tmp_path,
+                                                                     world_size):
+    """At DP>1 a gather waits for its partition's read before the all-gather starts (collectives
+    start in the same order on every rank): the read is submitted one unit earlier, while the
+    unit before the prefetched one computes, into a free buffer of the pool (never memory of its own).
+    After the step, the write-backs of the updated partitions stay in flight (up to buffer_count - 1)
+    while the next ones are cast, and all have landed when the update ends."""
+    for r in pools(world_size).run(_read_ahead_order, token_dataset_prefix_module, str(tmp_path)):
+        assert r["units"] >= 4, r
+        assert r["late"] == [], r  # units whose read was submitted only after the unit two before computed
+        assert r["read aheads"] > 0 and r["overflows"] == 0 and r["peak buffers"] <= r["buffer count"], r
+        resident, largest_three, buffers = r["forward and backward"]
+        # the unit gathered now, the next one's partition (prefetched) and the one after (read ahead)
+        assert resident <= largest_three and buffers <= 3, r
+        most, last, allowed = r["writes in flight"]
+        assert allowed == r["buffer count"] - 1 and 1 < most <= allowed and last == 0, r  # all landed at the end
 
 
 def _checkpoint_config(stage: int, offload: bool, tmp: str) -> dict:
