@@ -10,8 +10,9 @@ operations in order; an exchange posts its sends and receives and goes on (sends
 receives are waited where first used); a forward or backward that needs a message starts once
 the message has arrived, `latency` after both its send and its receive are posted. So what a
 stage waits for is the peer's compute up to the exchange that sends it (in the steady state a
-forward's output goes out only after the backward that follows it), which is what a split of the
-layers over the virtual stages changes, and what a per-rank total does not show.
+forward's output goes out right after that forward, an input gradient right after its backward),
+which is what a split of the layers over the virtual stages changes, and what a per-rank total
+does not show.
 """
 
 from __future__ import annotations
