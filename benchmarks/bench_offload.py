@@ -98,6 +98,19 @@ def _timed_offload_pass(engine) -> dict:
 PHASES = ("forward", "backward", "backward_reduce", "optimizer")
 
 
+def _in_phase(timer, method, phase: str):
+    """`method`, setting `timer._phase` to `phase` while it runs (then back to forward/backward), so
+    that the aio waits inside it are charged to that phase."""
+    def run(*a, **k):
+        timer._phase = phase
+        try:
+            return method(*a, **k)
+        finally:
+            timer._phase = "fwd_bwd"
+
+    return run
+
+
 class _IOWaits:
     """Seconds an offloaded engine spent blocked in the aio op's wait(), by where it waited: in
     forward and backward (gradient writes: a free buffer), in reduce_gradients (the last gradient
@@ -118,17 +131,7 @@ class _IOWaits:
 
         files.wait = wait
         for name, phase in (("reduce_gradients", "reduce"), ("step", "step")):
-            setattr(state, name, self._in_phase(getattr(state, name), phase))
-
-    def _in_phase(self, method, phase: str):
-        def run(*a, **k):
-            self._phase = phase
-            try:
-                return method(*a, **k)
-            finally:
-                self._phase = "fwd_bwd"
-
-        return run
+            setattr(state, name, _in_phase(self, getattr(state, name), phase))
 
     def reset(self) -> None:
         self.seconds = dict.fromkeys(self.seconds, 0.0)
@@ -413,7 +416,7 @@ class _ParamWaits:
                 f.wait = self._timed(f.wait, label)
         for name in ("step", "update_model"):  # (step: the offloaded optimizer's sub-group loop)
             if hasattr(state, name):
-                setattr(state, name, self._in_phase(getattr(state, name), name))
+                setattr(state, name, _in_phase(self, getattr(state, name), name))
 
     def _timed(self, wait, label: str):
         def run(*a, **k):
@@ -423,16 +426,6 @@ class _ParamWaits:
             finally:
                 key = f"{label} in {self._phase}"
                 self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - start
-
-        return run
-
-    def _in_phase(self, method, phase: str):
-        def run(*a, **k):
-            self._phase = phase
-            try:
-                return method(*a, **k)
-            finally:
-                self._phase = "fwd_bwd"
 
         return run
 
