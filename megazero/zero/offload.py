@@ -102,7 +102,7 @@ def sub_groups(parts: list, sub_group_size: int) -> list[_SubGroup]:
 def _aligned(numel: int, pin: bool) -> torch.Tensor:
     from megazero.ops.aio import aligned_empty
 
-    return pinned(aligned_empty((numel,), torch.float32), pin)
+    return aligned_empty((numel,), torch.float32, pin_memory=pin and torch.cuda.is_available())
 
 
 class OffloadedState:

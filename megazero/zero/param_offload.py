@@ -38,6 +38,13 @@ offload every shard (persistent ones too, for uniformity) gets a separate fp32 m
 or swapped too by offload_optimizer), so that the partition can leave memory; the arithmetic is
 the same (an fp32 -> fp32 cast is a copy).
 `device: cpu` on a CPU-only machine is the in-memory path itself (nothing is copied twice).
+
+On a GPU (untested here: no device) the partitions' home is host memory: `device: cpu` keeps them
+there (no files, none ever dropped), `device: nvme` reads them into the pool's (pinned) buffers as
+above. `staging` (megazero.zero.staging) copies each to the GPU ahead of its gather: from
+read_ahead() when it is in host memory already, else when its gather starts (`_Shard`'s staged
+gather). The copy is released in done(), and also before anything overwrites or frees its host
+buffer. On the CPU the staging is the identity.
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ from collections import OrderedDict
 import torch
 import torch.distributed as dist
 
-from megazero.zero.staging import PartitionStaging, pinned
+from megazero.zero.staging import PartitionStaging
 from megazero.zero.swap import SwapDirectory, SwapFiles
 
 
@@ -78,7 +85,7 @@ class PartitionBuffers:
         if not self._free and self.made < self.count:
             from megazero.ops.aio import aligned_empty
 
-            self._free.append(pinned(aligned_empty((self.nbytes,), torch.uint8), self.pin))
+            self._free.append(aligned_empty((self.nbytes,), torch.uint8, pin_memory=self.pin))
             self.made += 1
         if not self._free:
             return None
@@ -132,7 +139,7 @@ class ParamSwapper:
         # weakly: the model (whose parameters reach the shards) may outlive the engine's state;
         # the swap files go with the state
         numel = shard.shard.numel()
-        if numel > self.pool.size:
+        if self.files is not None and numel > self.pool.size:  # (device cpu: no pool)
             shapes = [tuple(shape) for shape in list(shard.layout.shapes.values())[:4]]
             raise ValueError(f"zero_optimization.offload_param.buffer_size={self.pool.size:,} elements is smaller "
                              f"than a parameter partition of {numel:,} elements (this rank's share of parameters "
