@@ -13,9 +13,10 @@ its gather (megazero.zero.param_offload), ZeRO-Infinity's host -> GPU leg.
 On the CPU (`device` None) it is the identity: take() returns `host` itself, nothing is copied or
 allocated, so the CPU path stays the in-memory arithmetic with no copy made twice. With a CUDA
 device each copy runs on one side stream into a new device tensor and records an event; take()
-makes the current stream wait for that event (the gather's copy of the partition into the whole
-buffer then follows it on the current stream) and marks the tensor used there, so the caching
-allocator does not hand its memory out before that stream is done with it. release() waits for the
+makes the current stream wait for that event and marks the tensor used there, so the caching
+allocator does not hand its memory out before that stream is done with it. (The staged gather
+calls take() inside side(), so the copy into the gather buffer and the all-gather follow it on the
+side stream, and only wait_ready() puts a wait on the compute stream.) release() waits for the
 copy itself (cheap: the gather has already waited for it on the device), because the host buffer it
 reads may be overwritten next (a pool buffer given to the next read, or the cast of the update).
 `force_copy` with a CPU device copies into a separate host buffer the same way (no streams): the
