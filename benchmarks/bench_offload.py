@@ -5,7 +5,12 @@ same file system. With --param-offload, stage 3 only: in memory, parameter offlo
 (`offload_param.device: nvme`, max_in_cpu 0: every partition read back for each use) and both
 offloads, the same way (ratios to in-memory stage 3), on --dp ranks (default 1; the same tokens
 per step); --breakdown then adds each engine's phases and its waits on the parameter and optimizer
-swap files by phase (benchmarks/results/param_offload[_dp<N>].json).
+swap files by phase (benchmarks/results/param_offload[_dp<N>].json). --param-memory (stage 3,
+DP=1, max_in_cpu 0): what parameter offload keeps in memory, in memory / offloaded / offloaded and
+built under zero.Init onto NVMe, each in a fresh process: the non-persistent partitions in memory
+at the peak of forward and backward and of the update, between steps, the pool's buffers, the RSS
+growth while the model is built and the peak RSS of the steps
+(benchmarks/results/param_offload_memory.json).
 
 One process (one gloo rank, the machine's threads), bf16, AdamW (megazero's CPU op), the same
 data and initial weights for every configuration. All six engines live in the process and take
@@ -61,11 +66,12 @@ STAGES = (1, 2, 3)
 PARAM_KINDS = ("param", "both")
 
 
-def _engine(args, stage: int, offload, prefix: str, micro_batch: int | None = None, accumulation: int = 1):
+def _engine(args, stage: int, offload, prefix: str, micro_batch: int | None = None, accumulation: int = 1,
+            under_init: bool = False, after_model=None):
+    """(engine, batch iterator) of this config; `under_init`: the model built under zero.Init with it
+    (straight into swap files when parameters are offloaded to nvme); `after_model()` is called once
+    the model is built, before the engine."""
     micro_batch = micro_batch or args.batch
-    megazero.set_seed(0)
-    model = GPT(GPTConfig(vocab_size=args.vocab, seq_length=args.seq, num_layers=args.layers, hidden_size=args.hidden,
-                          num_attention_heads=args.heads, dropout=0.0))
     zero = {"stage": stage, "reduce_bucket_size": args.bucket, "sub_group_size": args.sub_group_size}
     if offload in (True, "both"):
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": args.nvme_path}
@@ -76,6 +82,12 @@ def _engine(args, stage: int, offload, prefix: str, micro_batch: int | None = No
               "gradient_accumulation_steps": accumulation, "bf16": {"enabled": True}, "gradient_clipping": 1.0,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": zero,
               "steps_per_print": 10**9, "wall_clock_breakdown": getattr(args, "breakdown", False)}
+    megazero.set_seed(0)
+    with megazero.zero.Init(config_dict_or_path=config, enabled=under_init):
+        model = GPT(GPTConfig(vocab_size=args.vocab, seq_length=args.seq, num_layers=args.layers,
+                              hidden_size=args.hidden, num_attention_heads=args.heads, dropout=0.0))
+    if after_model is not None:
+        after_model()
     dataset = GPTDataset(IndexedDataset(prefix), args.seq, seed=0)
     engine, _, loader, _ = megazero.initialize(model=model, training_data=dataset, config=config)
     return engine, iter(loader)
@@ -218,6 +230,9 @@ def main(argv=None) -> None:
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--param-offload", action="store_true",
                         help="stage 3 only: in memory, parameter offload, both offloads")
+    parser.add_argument("--param-memory", action="store_true",
+                        help="stage 3, DP=1: partition bytes and RSS in memory, with parameter offload, and built "
+                             "under zero.Init onto NVMe, each in a fresh process")
     parser.add_argument("--dp", type=int, default=1,
                         help="--param-offload: data-parallel ranks (processes), micro-batch --batch / --dp each")
     parser.add_argument("--deepspeed", action="store_true",
@@ -238,6 +253,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.deepspeed:
         return _deepspeed(args)
+    if args.param_memory:
+        return _param_memory(args)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29561"), RANK="0",
                       WORLD_SIZE="1", LOCAL_RANK="0")
     dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(minutes=30))
@@ -468,6 +485,129 @@ def _print_param_breakdown(breakdown: dict) -> None:
         label = {"False": "none"}.get(n, n)
         print(f"{label:<9}" + "".join(f"{b[p]:>9.1f}" for p in PHASES) + " |"
               + "".join(f"{b.get(k, 0.0):>9.1f}" for k in waits))
+
+
+# ---- --param-memory: what parameter offload keeps in memory ----------------------------------------
+# (kind, offload, built under zero.Init)
+MEMORY_KINDS = (("in memory", False, False), ("param offload", "param", False),
+                ("param offload, zero.Init", "param", True))
+
+
+def _status_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
+
+
+def _reset_peak_rss() -> bool:
+    """Start VmHWM (peak RSS) anew from the current RSS (Linux: clear_refs 5); False if not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _param_memory_worker(rank: int, world: int, port: int, args, kind: tuple, queue) -> None:
+    """One fresh process: the model's build (peak RSS growth while it is built), a warm-up step, then trials x steps
+    steps measured: the non-persistent partitions in memory at the peak (offloaded: the swapper's
+    count of partitions in memory, in pool buffers or their own), the pool's allocated buffers, the
+    partitions in memory between steps, and the peak RSS of the steps."""
+    from bench_zero import init_process
+
+    init_process(rank, world, port)
+    name, offload, under_init = kind
+    rss0 = _status_kib("VmRSS")
+    resettable = _reset_peak_rss()
+    peaks = []
+    engine, data = _engine(args, 3, offload, args.prefix, under_init=under_init,
+                           after_model=lambda: peaks.append(_status_kib("VmHWM")))
+    build_peak = peaks[0] if resettable else None
+    state = engine.dp
+    inner = getattr(state, "inner", state)
+    swap = inner.param_swap
+    element = inner.parts[0].shard.element_size()
+    split = [s for s in inner.parts if not s.persistent]
+    persistent = sum(s.shard.numel() * s.shard.element_size() for s in inner.parts if s.persistent)
+    engine.train_batch(data)  # warm-up: optimizer states
+    phases = {"fwd_bwd": 0, "update": 0}  # peak partition elements in memory, by phase
+    buffers = dict(phases)  # peak pool buffers in use, by phase
+    if swap is not None:
+        inner_update = inner.update_model
+
+        def note(phase: str) -> None:
+            phases[phase] = max(phases[phase], swap.peak_resident_numel)
+            buffers[phase] = max(buffers[phase], swap.pool.peak_in_use)
+            swap.reset_peak()
+
+        def update_model(*a, **k):  # the casts and write-backs of the updated partitions
+            note("fwd_bwd")
+            try:
+                return inner_update(*a, **k)
+            finally:
+                note("update")
+
+        inner.update_model = update_model
+        swap.reset_peak()
+    _reset_peak_rss()
+    rss_steps0 = _status_kib("VmRSS")
+    for _ in range(args.trials * args.steps):
+        engine.train_batch(data)
+    out = {"kind": name, "num_params": sum(s.numel() for s in state.parameter_shapes().values()),
+           "partitions_MiB": sum(s.shard.numel() for s in split) * element / 2**20,
+           "persistent_MiB": persistent / 2**20,
+           "build_rss_growth_MiB": (build_peak - rss0) / 1024 if build_peak is not None else None,
+           "steps_rss_start_MiB": rss_steps0 / 1024, "steps_peak_rss_MiB": _status_kib("VmHWM") / 1024}
+    if swap is not None:
+        out.update(partitions_MiB=max(phases.values()) * element / 2**20,
+                   fwd_bwd_partitions_MiB=phases["fwd_bwd"] * element / 2**20,
+                   update_partitions_MiB=phases["update"] * element / 2**20,
+                   between_steps_MiB=swap.resident_numel * element / 2**20,
+                   pool_MiB=swap.pool.made * swap.pool.nbytes / 2**20, pool_buffers=swap.pool.made,
+                   pool_peak_in_use=f"{buffers['fwd_bwd']} / {buffers['update']}", pool_overflows=swap.pool.overflows,
+                   largest_partition_MiB=max(s.shard.numel() for s in split) * element / 2**20)
+        swap.close()
+    else:
+        out.update(between_steps_MiB=out["partitions_MiB"], fwd_bwd_partitions_MiB=out["partitions_MiB"],
+                   update_partitions_MiB=out["partitions_MiB"])
+    if hasattr(state, "close"):
+        state.close()
+    queue.put(out)
+    dist.destroy_process_group()
+
+
+def _param_memory(args) -> None:
+    """--param-memory: each kind of MEMORY_KINDS in a fresh process, one after the other (printed, json)."""
+    from bench_zero import spawn_workers
+
+    # as benchmarks/largest_model.py: freed large buffers go back to the system, so RSS measures what is held
+    os.environ.setdefault("MALLOC_ARENA_MAX", "2")
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "1048576")
+    rows = [spawn_workers(_param_memory_worker, (args, kind), 1, 1)[0] for kind in MEMORY_KINDS]
+    load = os.getloadavg()
+    print(f"GPT {rows[0]['num_params'] / 1e6:.1f} M parameters, bf16, AdamW, stage 3, DP=1, max_in_cpu 0, "
+          f"{args.trials * args.steps} steps measured after one; swap files in {args.nvme_path}; "
+          f"load average {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}")
+    print(f"{'kind':<27}{'partitions MiB: fwd+bwd / update peak':>38}{'between steps':>15}{'persistent':>12}"
+          f"{'pool MiB':>10}{'buffers made, peak used fwd+bwd / update':>43}{'RSS growth model build':>24}"
+          f"{'peak RSS in steps':>19}")
+    for r in rows:
+        pool = (f"{r['pool_MiB']:>10.1f}{r['pool_buffers']:>22}, {r['pool_peak_in_use']:<19}"
+                if "pool_MiB" in r else f"{'-':>10}{'-':>43}")
+        growth = f"{r['build_rss_growth_MiB']:>24.1f}" if r["build_rss_growth_MiB"] is not None else f"{'-':>24}"
+        peak = f"{r['fwd_bwd_partitions_MiB']:.2f} / {r['update_partitions_MiB']:.2f}"
+        print(f"{r['kind']:<27}{peak:>38}{r['between_steps_MiB']:>15.2f}{r['persistent_MiB']:>12.2f}"
+              + pool + growth + f"{r['steps_peak_rss_MiB']:>19.0f}")
+    pooled = [r for r in rows if "pool_MiB" in r]
+    if pooled:
+        largest = pooled[0]["largest_partition_MiB"]
+        print(f"pool: buffer_count buffers, each the largest partition's bytes ({largest:.2f} MiB);"
+              f" partitions given memory of their own (every buffer in use): "
+              f"{', '.join(str(r['pool_overflows']) for r in pooled)}")
+    out = args.out.replace("offload.json", "param_offload_memory.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"rows": rows, "load_average": load, "args": vars(args)}, f, indent=2)
 
 
 # ---- --deepspeed: megazero against DeepSpeed, DP=2 -------------------------------------------------

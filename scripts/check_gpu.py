@@ -6,7 +6,9 @@ reported as not run):
   cuda tests   pytest -m cuda over tests/ops (kernels against their references; empty,
                non-contiguous, broadcast-mask and wrong-device inputs; fully masked rows; causal
                sq != sk; fp16 near overflow; the optimizers against the CPU op; every op on a
-               non-default stream; bitwise reproducibility) and tests/unit/test_peak_flops.py
+               non-default stream; bitwise reproducibility; parameter offload's GPU path, device
+               cpu and nvme, bit for bit in-memory stage 3, partitions on the host between uses:
+               tests/ops/test_param_offload_cuda.py) and tests/unit/test_peak_flops.py
   fused GPT    benchmarks/gpu_train.py fused: the CPU-sized GPT with fused_kernels on / off,
                fp32 and bf16; losses within the kernels' tolerances, MFU below 100%
   ZeRO nccl    benchmarks/gpu_train.py zero: stages 0-3 at world size 1 over NCCL, against gloo

@@ -51,16 +51,17 @@ def active_backend() -> str:
     return f"python fallback (threads + os.pread/os.pwrite, buffered): {s['why']}"
 
 
-def aligned_empty(shape, dtype: torch.dtype, alignment: int = ALIGNMENT) -> torch.Tensor:
+def aligned_empty(shape, dtype: torch.dtype, alignment: int = ALIGNMENT, pin_memory: bool = False) -> torch.Tensor:
     """An uninitialised contiguous CPU tensor whose data pointer is a multiple of `alignment`
-    (what O_DIRECT needs). It views a slightly larger byte buffer."""
+    (what O_DIRECT needs). It views a slightly larger byte buffer (page-locked with `pin_memory`,
+    which needs CUDA)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     if alignment < 1 or alignment & (alignment - 1) or alignment % itemsize:
         raise ValueError(f"alignment must be a power of two and a multiple of {dtype}'s {itemsize} bytes, "
                          f"got {alignment}")
     shape = torch.Size([shape] if isinstance(shape, int) else shape)
     nbytes = shape.numel() * itemsize
-    buffer = torch.empty(nbytes + alignment, dtype=torch.uint8)
+    buffer = torch.empty(nbytes + alignment, dtype=torch.uint8, pin_memory=pin_memory)
     start = -buffer.data_ptr() % alignment
     return buffer[start:start + nbytes].view(dtype).view(shape)
 

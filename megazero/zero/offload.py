@@ -45,6 +45,7 @@ import torch.distributed as dist
 from megazero.distributed import all_reduce_sum
 from megazero.optim.protocol import GradScaleTaker, takes_grad_scale, writes_copies
 from megazero.zero.grad_swap import GradSwapper, drop_grad_partition
+from megazero.zero.staging import pinned
 from megazero.zero.swap import SwapDirectory, SwapFiles, new_run_id
 
 ALIGN_ELEMENTS = 1024  # 4 KiB of fp32: each kind's region of a sub-group buffer stays block-aligned
@@ -101,8 +102,7 @@ def sub_groups(parts: list, sub_group_size: int) -> list[_SubGroup]:
 def _aligned(numel: int, pin: bool) -> torch.Tensor:
     from megazero.ops.aio import aligned_empty
 
-    buffer = aligned_empty((numel,), torch.float32)
-    return buffer.pin_memory() if pin and torch.cuda.is_available() else buffer
+    return aligned_empty((numel,), torch.float32, pin_memory=pin and torch.cuda.is_available())
 
 
 class OffloadedState:
@@ -168,7 +168,7 @@ class OffloadedState:
         """GPU: the fp32 masters move to (pinned) host memory, where the CPU optimizer steps them."""
         for part in self.inner.parts:
             flat = torch.cat([m.detach().reshape(-1) for m in part.masters]).cpu()
-            flat = flat.pin_memory() if self.pin else flat
+            flat = pinned(flat, self.pin)
             for master, view in zip(part.masters, part.layout.split_partition(flat)):
                 master.data = view
             if hasattr(part, "master_flat"):  # stage 3 keeps the flat master beside its views

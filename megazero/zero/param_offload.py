@@ -38,6 +38,13 @@ offload every shard (persistent ones too, for uniformity) gets a separate fp32 m
 or swapped too by offload_optimizer), so that the partition can leave memory; the arithmetic is
 the same (an fp32 -> fp32 cast is a copy).
 `device: cpu` on a CPU-only machine is the in-memory path itself (nothing is copied twice).
+
+On a GPU (untested here: no device) the partitions' home is host memory: `device: cpu` keeps them
+there (no files, none ever dropped), `device: nvme` reads them into the pool's (pinned) buffers as
+above. `staging` (megazero.zero.staging) copies each to the GPU ahead of its gather: from
+read_ahead() when it is in host memory already, else when its gather starts (`_Shard`'s staged
+gather). The copy is released in done(), and also before anything overwrites or frees its host
+buffer. On the CPU the staging is the identity.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ from collections import OrderedDict
 import torch
 import torch.distributed as dist
 
+from megazero.zero.staging import PartitionStaging
 from megazero.zero.swap import SwapDirectory, SwapFiles
 
 
@@ -59,8 +67,8 @@ class PartitionBuffers:
     """offload_param's pool: at most `count` reusable aligned byte buffers, each of `nbytes` (the
     largest partition's bytes, set before the first take(); at most `size` elements)."""
 
-    def __init__(self, count: int, size: int):
-        self.count, self.size = count, size
+    def __init__(self, count: int, size: int, pin: bool = False):
+        self.count, self.size, self.pin = count, size, pin
         self.nbytes = 0
         self._free: list[torch.Tensor] = []
         self.made = 0  # buffers allocated so far (<= count)
@@ -77,7 +85,7 @@ class PartitionBuffers:
         if not self._free and self.made < self.count:
             from megazero.ops.aio import aligned_empty
 
-            self._free.append(aligned_empty((self.nbytes,), torch.uint8))
+            self._free.append(aligned_empty((self.nbytes,), torch.uint8, pin_memory=self.pin))
             self.made += 1
         if not self._free:
             return None
@@ -100,12 +108,18 @@ class PartitionBuffers:
 
 
 class ParamSwapper:
-    """The swap files of one rank's partitioned parameter shards, and which of them are in memory."""
+    """Where one rank's partitioned parameter shards live: swap files (`files`; device nvme) or host
+    memory (`files` None: device cpu on a GPU, every partition kept there, nothing read or written),
+    which of them are in host memory, and their copies to the compute device (`staging`, the
+    identity on the CPU: megazero.zero.staging)."""
 
-    def __init__(self, files: SwapFiles, max_in_cpu: int, buffer_count: int = 5, buffer_size: int = 100_000_000):
+    def __init__(self, files: SwapFiles | None, max_in_cpu: int, buffer_count: int = 5,
+                 buffer_size: int = 100_000_000, staging: PartitionStaging | None = None):
         self.files = files
-        self.max_in_cpu = max_in_cpu
-        self.pool = PartitionBuffers(buffer_count, buffer_size)
+        self.staging = staging if staging is not None else PartitionStaging()
+        # host memory as the partitions' home: none ever leaves it
+        self.max_in_cpu = max_in_cpu if files is not None else float("inf")
+        self.pool = PartitionBuffers(buffer_count, buffer_size, self.staging.pin)
         self.writes_in_flight = max(1, buffer_count - 1)  # write-backs left in flight during an update pass
         self._pooled: dict[int, torch.Tensor] = {}  # id(shard) -> the pool buffer its partition is in
         self._in_use: set[int] = set()  # loaded or held, not done with yet: never evicted for a buffer
@@ -125,19 +139,24 @@ class ParamSwapper:
         # weakly: the model (whose parameters reach the shards) may outlive the engine's state;
         # the swap files go with the state
         numel = shard.shard.numel()
-        if numel > self.pool.size:
+        if self.files is not None and numel > self.pool.size:  # (device cpu: no pool)
             shapes = [tuple(shape) for shape in list(shard.layout.shapes.values())[:4]]
             raise ValueError(f"zero_optimization.offload_param.buffer_size={self.pool.size:,} elements is smaller "
                              f"than a parameter partition of {numel:,} elements (this rank's share of parameters "
                              f"of shapes {shapes}); set buffer_size >= {numel:,}")
+        if shard.shard.device.type != "cpu":  # a GPU run: the partition's home is host memory
+            shard.shard = self.staging.to_host(shard.shard)
+            shard.shard_views = shard.layout.split_partition(shard.shard)
         self.pool.nbytes = max(self.pool.nbytes, numel * shard.shard.element_size())
         shard.swap, shard.swap_name = weakref.proxy(self), f"param{len(self.shards):05d}"
         self.shards.append(shard)
-        self.files.wait(self.files.submit_write(shard.swap_name, shard.shard))
+        if self.files is not None:
+            self.files.wait(self.files.submit_write(shard.swap_name, shard.shard))
         self._cache[id(shard)] = shard
         self.resident_numel += shard.shard.numel()
         self.setup_peak_numel = max(self.setup_peak_numel, self.resident_numel)
-        self._evict(limit=0)  # nothing cached at the start: the partitions live in the files
+        if self.files is not None:
+            self._evict(limit=0)  # nothing cached at the start: the partitions live in the files
 
     def reset_peak(self) -> None:
         """Measure peak_resident_numel (and the pool's peak) from what is in memory now."""
@@ -182,8 +201,16 @@ class ParamSwapper:
     def read_ahead(self, shard) -> bool:
         """Start reading `shard`'s partition ahead of its gather, only into a free pool buffer (no
         cached partition's buffer is taken back and no memory of its own is made for it: a read
-        ahead must not grow memory). False when none is free, or it is in memory or on its way."""
-        if id(shard) in self._cache or not self.pool.available():
+        ahead must not grow memory). A partition in host memory already is copied to the compute
+        device instead, where that is not the host (staging). False when nothing was started."""
+        key = id(shard)
+        if key in self._cache:
+            if self.staging.identity or key in self._reads or key in self._writing:
+                return False
+            self._in_use.add(key)  # its host buffer is not taken back while the copy reads it
+            self.staging.start(key, shard.shard)
+            return True
+        if not self.pool.available():
             return False
         self.submit_load(shard)
         return True
@@ -193,6 +220,7 @@ class ParamSwapper:
         request = self._reads.pop(id(shard), None)
         if request is not None:
             self.files.wait(request)
+        self.staging.release(id(shard))
         self._in_use.discard(id(shard))
         self._evict(self.max_in_cpu)
 
@@ -207,6 +235,7 @@ class ParamSwapper:
     def hold_for_overwrite(self, shard) -> None:
         """`shard`'s partition has memory (contents unspecified unless cached): it is about to be
         overwritten whole."""
+        self.staging.release(id(shard))  # a copy to the compute device must have read it first
         if id(shard) in self._writing:  # so must a write of the old content
             self._finish_writes(keep=len(self._writing), only=id(shard))
         if id(shard) in self._cache:
@@ -223,6 +252,9 @@ class ParamSwapper:
         been written since the last fetch (the end of an update pass), when a buffer is needed, or
         before anything else touches it."""
         key = id(shard)
+        if self.files is None:  # host memory is its home: the cast has put it there
+            self._in_use.discard(key)
+            return
         if key in self._writing:
             self._finish_writes(only=key)
         self._writing[key] = (shard, self.files.submit_write(shard.swap_name, shard.shard))
@@ -243,6 +275,7 @@ class ParamSwapper:
 
     def done(self, shard) -> None:
         """`shard`'s partition is not needed now: keep it cached within max_in_cpu, else drop it."""
+        self.staging.release(id(shard))
         self._in_use.discard(id(shard))
         self._pass.clear()  # a fetch: an update pass counts its writes anew
         self._finish_writes()
@@ -260,6 +293,7 @@ class ParamSwapper:
     def _drop(self, shard) -> None:
         """Free `shard`'s partition memory (its buffer back to the pool); the tensor keeps its shape."""
         key = id(shard)
+        self.staging.release(key)  # nor memory a copy to the compute device still reads
         if key in self._writing:  # never free memory a write is still reading
             self.files.wait(self._writing.pop(key)[1])
         self._cache.pop(key)
@@ -277,13 +311,19 @@ class ParamSwapper:
         """The partitions in memory now."""
         return [s.shard for s in self._cache.values()]
 
+    def on_device(self, shard) -> torch.Tensor:
+        """`shard`'s partition (loaded: see load()) on the compute device: the host partition itself
+        on the CPU; on a GPU its staged copy, the copy started now unless read_ahead() started it."""
+        return self.staging.take(id(shard), shard.shard)
+
     def disk_bytes(self) -> int:
         """Bytes of this rank's parameter swap files."""
-        return self.files.disk_bytes()
+        return self.files.disk_bytes() if self.files is not None else 0
 
     def close(self) -> None:
         """Remove the swap files (also done at exit and at garbage collection)."""
-        self.files.close()
+        if self.files is not None:
+            self.files.close()
 
 
 def is_resident(shard) -> bool:
@@ -291,22 +331,35 @@ def is_resident(shard) -> bool:
     return _resident(shard.shard)
 
 
+def compute_staging(model: torch.nn.Module, pin: bool) -> PartitionStaging:
+    """The staging of partitions to the device `model`'s parameters compute on: the identity on the
+    CPU (pin has no effect there), host -> GPU copies on CUDA; other devices are an error."""
+    devices = {p.device for p in model.parameters()}
+    if len(devices) > 1:
+        raise ValueError(f"zero_optimization.offload_param: the parameters are on several devices "
+                         f"{sorted(map(str, devices))}; expected one")
+    device = next(iter(devices), torch.device("cpu"))
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"zero_optimization.offload_param with parameters on {device.type!r} is not implemented "
+                         f"(cpu and cuda are)")
+    return PartitionStaging(device if device.type == "cuda" else None, pin)
+
+
 def make_param_swapper(config, model: torch.nn.Module, group=None) -> ParamSwapper | None:
     """The ParamSwapper for `zero_optimization.offload_param` of an EngineConfig: one for device
-    nvme; None for device none, or cpu with a model on the CPU (the in-memory path itself)."""
+    nvme; for device cpu on a GPU (host memory); None for device none, or cpu with a model on the
+    CPU (the in-memory path itself)."""
     offload = config.zero_optimization.offload_param
     if offload.device == "none" or config.zero_optimization.stage != 3:
         return None
-    devices = {p.device.type for p in model.parameters()}
-    if devices - {"cpu"}:
-        raise ValueError(f"zero_optimization.offload_param.device={offload.device!r} with parameters on "
-                         f"{sorted(devices)} is not implemented (parameter offload is for CPU training here)")
+    staging = compute_staging(model, offload.pin_memory)
     if offload.device == "cpu":
-        return None
+        return None if staging.identity else ParamSwapper(None, offload.max_in_cpu, offload.buffer_count,
+                                                          offload.buffer_size, staging)
     from megazero.ops.aio import AsyncIO
     from megazero.zero.offload import _agreed_run_id
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     files = SwapFiles(SwapDirectory(offload.nvme_path, _agreed_run_id(group), rank),
                       AsyncIO(**config.aio.model_dump()))
-    return ParamSwapper(files, offload.max_in_cpu, offload.buffer_count, offload.buffer_size)
+    return ParamSwapper(files, offload.max_in_cpu, offload.buffer_count, offload.buffer_size, staging)

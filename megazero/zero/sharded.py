@@ -104,8 +104,8 @@ class _Shard:
             self.master_flat = self.shard.clone()
             self.masters = [torch.nn.Parameter(v) for v in self.layout.split_partition(self.master_flat)]
 
-    def _copy_own(self, full: torch.Tensor) -> None:
-        for chunk, own in zip(self.layout.own_chunks(full, self.rank), self.shard_views):
+    def _copy_own(self, full: torch.Tensor, views: list[torch.Tensor] | None = None) -> None:
+        for chunk, own in zip(self.layout.own_chunks(full, self.rank), views or self.shard_views):
             chunk.copy_(own)
 
     def _gathered(self, full: torch.Tensor) -> None:
@@ -116,6 +116,8 @@ class _Shard:
     def start_gather(self) -> Handle:
         """All-gather the chunks into a new full buffer (one collective per bucket); the parameters
         point into it once waited. Param offload: the partition is read from its swap file first."""
+        if self.swap is not None and not self.swap.staging.identity:
+            return self._start_staged_gather()
         full = torch.empty(self.layout.numel, dtype=self.dtype, device=self.device)
         if self.swap is not None and self.world_size == 1:  # no collective: the read is waited lazily
             self.swap.submit_load(self)
@@ -132,6 +134,26 @@ class _Shard:
         inner = [all_gather_chunks(full[b.start:b.start + b.numel], self.group, "parameters")
                  for b in self.layout.buckets]
         return Handle(inner, lambda: self._gathered(full))
+
+    def _start_staged_gather(self) -> Handle:
+        """Param offload where the partitions' home (host memory) is not the compute device (a GPU):
+        once in host memory, the partition is copied to the device, into the gather buffer and
+        all-gathered on the staging side stream, so that it overlaps the compute stream's work;
+        wait() makes the compute stream wait for it (megazero.zero.staging)."""
+        staging = self.swap.staging
+        self.swap.load(self)  # an nvme read, submitted a unit ahead (read_ahead), lands here
+        with staging.side():
+            full = torch.empty(self.layout.numel, dtype=self.dtype, device=self.device)
+            self._copy_own(full, self.layout.split_partition(self.swap.on_device(self)))
+            inner = [all_gather_chunks(full[b.start:b.start + b.numel], self.group, "parameters")
+                     for b in self.layout.buckets]
+            ready = staging.ready()
+
+        def finish() -> None:
+            staging.wait_ready(ready, full)
+            self._gathered(full)
+
+        return Handle(inner, finish)
 
     def read_ahead(self) -> bool:
         """Start reading the partition from its swap file ahead of start_gather(), into a free

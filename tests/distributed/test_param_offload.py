@@ -303,3 +303,79 @@ def test_param_offload_checkpoint_loads_without_offload_and_at_other_layouts(poo
     (dp1,) = pools(1).run(train, _checkpoint_config(3, True, str(tmp_path / "dp1")), token_dataset_prefix_module,
                           CKPT_STEPS, 0, None, None, str(tmp_path / "ckpt"))
     _continues(results[0]["source"], dp1, exact=False)
+
+
+def _built_with_staging(build, make):
+    """build(), with `make` (a PartitionStaging factory) as param_offload.compute_staging."""
+    from megazero.zero import param_offload
+
+    original, param_offload.compute_staging = param_offload.compute_staging, make
+    try:
+        return build()
+    finally:
+        param_offload.compute_staging = original
+
+
+def _staged_runs(prefix: str, tmp: str) -> dict:
+    """The staging step to the compute device (megazero.zero.staging), run on the CPU with a forced
+    copy into separate buffers, for both homes of the partitions: swap files (device nvme) and host
+    memory (device cpu, as on a GPU). Each is bit for bit the in-memory run, copies every partition
+    it gathers and holds none of the copies once a step ends; a plain CPU run's staging (pin_memory
+    on: no effect without CUDA) is the identity and copies nothing."""
+    from megazero.zero.staging import PartitionStaging
+
+    plain = train(_config(True), prefix, STEPS)
+    nvme = {"device": "nvme", "nvme_path": os.path.join(tmp, "nvme"), "max_in_cpu": 0}
+    out = {"rank": dist.get_rank()}
+    for home, offload in (("nvme", nvme), ("host", {"device": "cpu"})):
+        engine, loader = _built_with_staging(
+            lambda offload=offload: build_engine(_config(True, offload), prefix),
+            lambda model, pin: PartitionStaging(torch.device("cpu"), pin, force_copy=True))
+        swap = _param_state(engine).param_swap
+        data, losses, live = iter(loader), [], []
+        for _ in range(STEPS):
+            losses.append(global_mean(engine.train_batch(data).item(), engine))
+            live.append(swap.staging.live)  # copies still held when the step ends
+        gathers = swap.staging.copies
+        result = {"losses": losses, "params": full_parameters(engine)}
+        total = sum(s.shard.numel() for s in swap.shards)
+        out[home] = {"equal": _equal(plain, result), "copies": gathers, "live": live,
+                     "peak live": swap.staging.peak_live, "files": swap.files is not None,
+                     "in host memory": (swap.resident_numel, total), "reads": swap.reads,
+                     "disk": swap.disk_bytes()}
+        swap.close()
+    engine, loader = build_engine(_config(True, {**nvme, "pin_memory": True}), prefix)
+    swap = _param_state(engine).param_swap
+    engine.train_batch(iter(loader))
+    out["identity"] = (swap.staging.identity, swap.staging.copies, swap.staging.pin, swap.pool.pin,
+                       any(s.shard.is_pinned() for s in swap.shards))
+    swap.close()
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_param_offload_staging_to_the_compute_device(pools, token_dataset_prefix_module, tmp_path, world_size):
+    """The GPU path's one device-specific step, forced to copy on the CPU: bit for bit, released."""
+    for r in pools(world_size).run(_staged_runs, token_dataset_prefix_module, str(tmp_path)):
+        for home in ("nvme", "host"):
+            h = r[home]
+            assert h["equal"], (home, r)
+            assert h["copies"] > 0 and h["live"] == [0] * STEPS and 1 <= h["peak live"] <= 3, (home, h)
+        assert r["nvme"]["files"] and r["nvme"]["reads"] > 0 and r["nvme"]["disk"] > 0, r["nvme"]
+        resident, total = r["host"]["in host memory"]
+        # device cpu: every partition stays in host memory, nothing read or written
+        assert not r["host"]["files"] and resident == total > 0 and r["host"]["reads"] == 0 \
+            and r["host"]["disk"] == 0, r["host"]
+        assert r["identity"] == (True, 0, False, False, False), r["identity"]
+
+
+def test_param_offload_compute_device_errors():
+    """Parameters on a device other than cpu/cuda, or on several, are errors naming them."""
+    from megazero.zero.param_offload import compute_staging
+
+    with pytest.raises(ValueError, match="'meta' is not implemented"):
+        compute_staging(torch.nn.Linear(2, 2, device="meta"), pin=False)
+    two = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2, device="meta"))
+    with pytest.raises(ValueError, match="several devices"):
+        compute_staging(two, pin=False)
+    assert compute_staging(torch.nn.Linear(2, 2), pin=True).identity
