@@ -51,7 +51,7 @@ def _exchange_in_pieces() -> dict:
     got = {}
     for index in reversed(range(len(expected))):
         tag, number = numbers[index]
-        shm_link.progress([channel], lambda: channel.has(tag, number), "test receive from", 1 - me, 60)
+        shm_link.progress([channel], lambda t=tag, n=number: channel.has(t, n), "test receive from", 1 - me, 60)
         got[index] = channel.take(tag, number)
     shm_link.progress([channel], lambda: not channel.queued, "test flush to", 1 - me, 60)
     equal = [got[i].dtype == t.dtype and torch.equal(got[i], t) for i, (_, t) in enumerate(expected)]
