@@ -179,6 +179,23 @@ def test_deadlock_with_incomplete_waits_is_found(tmp_path):
     assert took < 60, f"took {took:.0f} s:\n{out[-4000:]}"
 
 
+def test_pipeline_stages_waiting_on_shared_memory_are_found(tmp_path):
+    """The pipeline's shared-memory transport waits in poll(), not in a gloo work: both stages
+    waiting on each other are still a deadlock the watchdog names, and the job exits."""
+    timeout = 5
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(HERE, "shm_deadlocked_stages.py"), str(timeout)]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    took = time.monotonic() - start
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "rank 0: links through shared memory with [1]" in out, out[-4000:]
+    assert re.search(r"rank \d: p2p recv (forward|backward) \(the (previous|next) stage's (output|gradient)\) has "
+                     r"waited [\d.]+ s \(timeout 5 s\)", out), out[-4000:]
+    assert "not arrived: no rank is stopped, but every rank is waiting" in out, out[-4000:]
+    assert took < 60, f"took {took:.0f} s:\n{out[-4000:]}"
+
+
 @pytest.mark.slow
 def test_slow_checkpoint_save_and_evaluation_do_not_trip_it(corpus_prefix, tmp_path):
     """Rank 1's first fsync in a checkpoint save and rank 0's first evaluation batch each stall for 1.5x
