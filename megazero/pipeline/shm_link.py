@@ -114,7 +114,7 @@ class Channel:
             return
         whole = len(self._credits) - len(self._credits) % _CREDIT.size
         if whole:
-            self.freed = _CREDIT.unpack_from(self._credits, whole - _CREDIT.size)[0]
+            self.freed = max(self.freed, _CREDIT.unpack_from(self._credits, whole - _CREDIT.size)[0])
             self._credits = self._credits[whole:]
 
     def push(self) -> None:
@@ -123,6 +123,10 @@ class Channel:
             return
         self._take_credits()
         size, largest = self.out.size, self.out.size // 2
+        if self.written == self.freed:
+            # all consumed: start again at the ring's head, so that only the pages of the messages in
+            # flight are ever touched (tmpfs memory), not the whole ring
+            self.written = self.freed = -(-self.written // size) * size
         while self.queued:
             data, tag, dtype, shape, done = entry = self.queued[0]
             n = min(data.numel() - done, largest)
@@ -202,6 +206,7 @@ class Channel:
                             f"closed its end of the link (its process exited or died)")
 
     def close(self) -> None:
+        """Close the FIFOs (the peer then sees this end gone); the rings go with the last reference."""
         for fd in (self.out.data_fd, self.out.credit_fd, self.into.data_fd, self.into.credit_fd):
             try:
                 os.close(fd)
@@ -324,6 +329,9 @@ def channel(group, peer: int) -> Channel:
     must ask, in an order that does not deadlock: StageLinks asks for its peers in rank order)."""
     store = _current_store()
     name = (group if group is not None else dist.group.WORLD).group_name
+    live = set(dist.distributed_c10d._world.pg_names.values())
+    for key in [key for key in _channels if key[0] not in live]:  # their groups were destroyed
+        _channels.pop(key).close()
     if (name, peer) not in _channels:
         _channels[(name, peer)] = connect(store, name, dist.get_rank(), peer)
     return _channels[(name, peer)]

@@ -67,6 +67,33 @@ def test_messages_match_in_order_per_tag_through_a_ring_smaller_than_them(pools)
         assert all(result["equal"]), f"rank {rank}: messages {[i for i, e in enumerate(result['equal']) if not e]}"
 
 
+def _ping_pong() -> dict:
+    """200 messages of 100 KB back and forth, each waited before the next is sent; then a new
+    channel's setup after a destroyed group's."""
+    me, peer = dist.get_rank(), 1 - dist.get_rank()
+    group = dist.new_group([0, 1])
+    channel = shm_link.channel(group, peer)
+    furthest = 0
+    for n in range(200):
+        if n % 2 == me:
+            channel.send(torch.full((25600,), float(n)), 0)
+            furthest = max(furthest, channel.written % channel.out.size or channel.out.size)
+        else:
+            number = channel.expect(0)
+            shm_link.progress([channel], lambda k=number: channel.has(0, k), "test receive from", peer, 60)
+            assert channel.take(0, number)[0].item() == n
+    dist.barrier()
+    dist.destroy_process_group(group)
+    shm_link.channel(dist.group.WORLD, peer)
+    return {"furthest": furthest, "closed": channel.closed}
+
+
+def test_an_idle_ring_starts_again_at_its_head_and_a_destroyed_groups_channel_closes(pools):
+    for result in pools(2).run(_ping_pong):
+        assert result["furthest"] == 25600 * 4  # every message at the head: only its pages are touched
+        assert result["closed"]
+
+
 def _links_choice(setting: str | None) -> dict:
     links = StageLinks([0, 1], dist.get_rank(), dist.group.WORLD, torch.float32, torch.device("cpu"),
                        transport=setting)
