@@ -20,6 +20,8 @@ which as a fraction of the step is (p - 1) / (v m + p - 1). --partition-methods 
 each PP row at both stage splits (models.parallelize.stage_layers; the rows of a split other than
 parameters end in _<method>; each row records every rank's layers; at v = 2 the compute and
 measured splits are chosen for the row's m, as a recipe's are for its gradient accumulation steps).
+--transports shm backend: each PP row through shared memory and through gloo, side by side in one
+run (pipeline.p2p_transport; the rows of the second end in _backend).
 Writes benchmarks/results/parallel_bubbles_pp{WORLD}.json.
 """
 
@@ -60,18 +62,21 @@ BUBBLE_MICRO_BATCHES = (4, 8, 16)
 
 
 def bubble_layouts(world: int, methods: tuple[str, ...] = ("parameters",),
-                   layers: int = BUBBLE_LAYERS) -> dict[str, dict]:
-    """--bubbles: name -> {tp, pp, sp, micro, batch, chunks, layers, split}: DP=world and PP=world
-    (v = 1, 2, at each stage split of `methods`) at each m, the same global batch of m samples."""
+                   layers: int = BUBBLE_LAYERS, transports: tuple[str, ...] = ("auto",)) -> dict[str, dict]:
+    """--bubbles: name -> {tp, pp, sp, micro, batch, chunks, layers, split, transport}: DP=world and
+    PP=world (v = 1, 2, at each stage split of `methods` and each p2p transport of `transports`:
+    pipeline.p2p_transport) at each m, the same global batch of m samples."""
     layouts = {}
     for m in BUBBLE_MICRO_BATCHES:
-        common = {"tp": 1, "sp": False, "batch": m, "layers": layers, "split": "parameters"}
+        common = {"tp": 1, "sp": False, "batch": m, "layers": layers, "split": "parameters", "transport": "auto"}
         layouts[f"dp{world}_b{m}"] = {**common, "pp": 1, "micro": m // world, "chunks": 1}
         for v in (1, 2):
             for method in methods:
-                suffix = "" if method == "parameters" else f"_{method}"
-                layouts[f"pp{world}_m{m}_v{v}{suffix}"] = {**common, "pp": world, "micro": 1, "chunks": v,
-                                                           "split": method}
+                for transport in transports:
+                    suffix = "" if method == "parameters" else f"_{method}"
+                    suffix += "" if transport == transports[0] else f"_{transport}"
+                    layouts[f"pp{world}_m{m}_v{v}{suffix}"] = {**common, "pp": world, "micro": 1, "chunks": v,
+                                                               "split": method, "transport": transport}
     # the issue's case with a shape header on every p2p message, as before the shape cache
     if "parameters" in methods:
         layouts[f"pp{world}_m8_v1_headers"] = {**layouts[f"pp{world}_m8_v1"], "headers": True}
@@ -81,10 +86,11 @@ def bubble_layouts(world: int, methods: tuple[str, ...] = ("parameters",),
 def layout_spec(name: str, args) -> dict:
     """A layout's {tp, pp, sp, micro, batch, chunks, layers, split} (layers None: the recipe's)."""
     if args.bubbles:
-        return bubble_layouts(args.bubbles, tuple(args.partition_methods), args.num_layers)[name]
+        return bubble_layouts(args.bubbles, tuple(args.partition_methods), args.num_layers,
+                              tuple(args.transports))[name]
     tp, pp, sp, micro = LAYOUTS[name]
     return {"tp": tp, "pp": pp, "sp": sp, "micro": micro, "batch": GLOBAL_BATCH, "chunks": 1, "layers": None,
-            "split": "parameters"}
+            "split": "parameters", "transport": "auto"}
 
 
 def model_config(name: str, tp: int, sp: bool, layers: int | None = None, hidden: int | None = None,
@@ -119,7 +125,8 @@ class LayoutRun:
         with open(os.path.join(REPO, "configs", "ds_gpt2_cpu.json")) as f:  # recipe_config() leaves it out
             optimizer = json.load(f)["optimizer"]
         engine_config = {**recipe_config(), "optimizer": optimizer, "train_batch_size": spec["batch"],
-                         "train_micro_batch_size_per_gpu": micro, "wall_clock_breakdown": True}
+                         "train_micro_batch_size_per_gpu": micro, "wall_clock_breakdown": True,
+                         "pipeline": {"p2p_transport": spec["transport"]}}
         dataset = GPTDataset(IndexedDataset(args.data_path + "_train_text_document"), config.seq_length, seed=1)
         self.engine, _, loader, _ = megazero.initialize(model=model, model_parameters=param_groups(model),
                                                         training_data=dataset, config=engine_config,
@@ -192,6 +199,9 @@ def main() -> None:
     parser.add_argument("--partition-methods", nargs="+", choices=["parameters", "compute", "measured"],
                         default=["parameters"],
                         help="--bubbles: the stage splits to measure each PP row at (default: parameters)")
+    parser.add_argument("--transports", nargs="+", choices=["auto", "backend", "shm"], default=["auto"],
+                        help="--bubbles: the pipeline.p2p_transport of each PP row (rows of all but the first end "
+                             "in _<transport>; default: auto, which is shm here)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.bubbles:
@@ -253,7 +263,7 @@ def bubbles_main(args) -> None:
     world = args.bubbles
     if args.hidden_size is None:
         args.hidden_size = BUBBLE_HIDDEN
-    layouts = bubble_layouts(world, tuple(args.partition_methods), args.num_layers)
+    layouts = bubble_layouts(world, tuple(args.partition_methods), args.num_layers, tuple(args.transports))
     if args.layouts == list(LAYOUTS):
         args.layouts = list(layouts)
     result = spawn_workers(worker, (args,), world=world)[0]
@@ -289,6 +299,7 @@ def bubbles_main(args) -> None:
             label = f"PP={row['pp']} m={row['micro_batches']} v={row['chunks']}"
             label += " hdr" if row.get("headers") else ""
             label += "" if row["split"] == "parameters" else f" {row['split'][:4]}"
+            label += "" if row["transport"] == args.transports[0] else f" {row['transport'][:4]}"
             cells = (f"{row['bubble_measured']:>16.3f}{row['not_computing']:>15.3f}{row['theory_over_ideal']:>12.3f}"
                      f"{row['theory_fraction_of_step']:>16.3f}")
         busy = " ".join(f"{b:.2f}" for b in row["busy_s_per_step"])

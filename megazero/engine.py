@@ -345,7 +345,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         # messages of shapes both sides have seen for these input shapes go without their headers
         links = StageLinks(grid.pp_ranks, grid.pp_rank, grid.pp_group, self.config.compute_dtype, self.device,
                            self.timers, ring=num_chunks > 1, shapes=self._pipeline_shapes,
-                           shape_key=input_shapes(batches))
+                           shape_key=input_shapes(batches), transport=self.config.pipeline.p2p_transport)
         losses = []
 
         def forward_step(chunk: int, m: int, received: torch.Tensor | None) -> torch.Tensor:

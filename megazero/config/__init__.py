@@ -272,6 +272,12 @@ class PipelineConfig(Section):
                                   "take the split whose interleaved schedule simulates the shortest step at the "
                                   "run's micro-batches per step (`megazero.pipeline.schedule_simulation`); "
                                   "checkpoints load at any")
+    p2p_transport: Literal["auto", "backend", "shm"] = Field(
+        "auto", description="how pipeline messages travel between stages: auto: through shared memory between "
+                            "ranks on one host with CPU tensors (`megazero.pipeline.shm_link`: the main threads "
+                            "copy the bytes; gloo's one tcp thread per process must get a core for every message), "
+                            "else the process group (gloo, NCCL); backend: always the process group; shm: shared "
+                            "memory, an error for a link that cannot use it; $MEGAZERO_P2P_TRANSPORT overrides it")
 
 
 # an engine key, not a model one: megazero.tensor_parallel.invariant_dropout's docstring says why

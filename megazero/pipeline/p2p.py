@@ -30,6 +30,17 @@ in which order, is what it was with every operation waited at once: deferring a 
 one rank wait on another where it did not before, so the ordering arguments above still hold.
 On NCCL a wait only orders the compute stream after the communication, so there the gain is that
 compute is not ordered after sends it does not need.
+
+Transport (`choose_transport`, the one place it is decided): a link between two ranks on one host
+with CPU tensors goes through shared memory (`megazero.pipeline.shm_link`: the main threads copy
+the bytes, the receiver sleeps in poll() on a FIFO), not through gloo, whose one tcp loop thread
+per process must get a core for every message (on 2 busy cores 10-40% of gloo exchanges stalled
+2-5 ms). Such a message carries its shape and dtype in its descriptor, so it has no header batch;
+the shape cache's check still applies, and strict mode still makes each send wait for the peer's
+receive to be posted (the same store flags). GPU tensors and peers on other hosts keep the
+backend (gloo or NCCL). `pipeline.p2p_transport` (or $MEGAZERO_P2P_TRANSPORT, which overrides it):
+"auto" (that choice), "backend" (always the process group), "shm" (required: an error for a link
+that cannot use it).
 """
 
 from __future__ import annotations
@@ -41,6 +52,7 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
+from megazero.pipeline import shm_link
 from megazero.watchdog import watched
 
 _MAX_DIMS = 8
@@ -48,6 +60,31 @@ _ACTIVATION, _GRADIENT = 0, 1  # message tags of StageLinks.exchange
 STRICT_ENV = "MEGAZERO_P2P_STRICT"
 STRICT_TIMEOUT_ENV = "MEGAZERO_P2P_STRICT_TIMEOUT"  # seconds a strict send waits for its receive (default 60)
 _strict_override: bool | None = None
+TRANSPORT_ENV = "MEGAZERO_P2P_TRANSPORT"  # overrides pipeline.p2p_transport
+TRANSPORTS = ("auto", "backend", "shm")
+
+
+def choose_transport(setting: str | None, device: torch.device, me: int, peer: int) -> str:
+    """"shm" or "backend" for the link between global ranks `me` and `peer`: $MEGAZERO_P2P_TRANSPORT
+    if set, else `setting` (pipeline.p2p_transport; None: "auto"). auto: shm when the tensors are
+    on CPU and the peer is on this host (both ends decide alike: the device is the run's, the host
+    test symmetric); shm: that, or an error naming the ranks."""
+    source = TRANSPORT_ENV if os.environ.get(TRANSPORT_ENV) else "pipeline.p2p_transport"
+    value = os.environ.get(TRANSPORT_ENV) or setting or "auto"
+    if value not in TRANSPORTS:
+        raise ValueError(f"{source}: expected one of {', '.join(TRANSPORTS)}, got {value!r}")
+    if value == "backend":
+        return value
+    if device.type != "cpu":
+        if value == "shm":
+            raise ValueError(f"{source} = 'shm' needs CPU tensors; rank {me}'s link to rank {peer} carries "
+                             f"{device.type} tensors (use 'auto' or 'backend')")
+        return "backend"
+    if not shm_link.same_host(peer):
+        if value == "shm":
+            raise ValueError(f"{source} = 'shm': rank {peer} is not on rank {me}'s host ({shm_link.host_id()})")
+        return "backend"
+    return "shm"
 
 
 def set_strict(enabled: bool | None) -> None:
@@ -154,6 +191,28 @@ class Incoming:
         return self._tensor
 
 
+class _ShmIncoming(Incoming):
+    """A receive posted on a shared-memory channel: message `number` of `tag` from its peer."""
+
+    def __init__(self, links: StageLinks, channel: shm_link.Channel, tag: int):
+        super().__init__(links, None, None, tag == _ACTIVATION)
+        self._channel, self._tag, self._number = channel, tag, channel.expect(tag)
+
+    def wait(self) -> torch.Tensor:
+        """The received tensor (waits for it on the first call)."""
+        if self._tensor is None:
+            channel, tag, number = self._channel, self._tag, self._number
+            what = f"receive of {'an activation' if self._activation else 'a gradient'} from"
+            self._links._timed(shm_link.progress, self._links.channels, lambda: channel.has(tag, number), what,
+                               channel.peer)
+            tensor = channel.take(tag, number)
+            if tensor.dtype != self._links.dtype:
+                raise RuntimeError(f"pipeline p2p: rank {self._links.me} received a {tensor.dtype} tensor from rank "
+                                   f"{channel.peer}, expected {self._links.dtype}")
+            self._tensor = tensor.requires_grad_() if self._activation else tensor
+        return self._tensor
+
+
 def resolve(value):
     """`value`, or the tensor of an Incoming (waited for now)."""
     return value.wait() if isinstance(value, Incoming) else value
@@ -184,7 +243,8 @@ class StageLinks:
     """
 
     def __init__(self, pp_ranks: list[int], pp_rank: int, group, dtype: torch.dtype, device: torch.device,
-                 timers=None, ring: bool = False, shapes: dict | None = None, shape_key=None):
+                 timers=None, ring: bool = False, shapes: dict | None = None, shape_key=None,
+                 transport: str | None = None):
         size = len(pp_ranks)
         # ring (the interleaved schedule): the last stage's next is the first, whose previous is the last
         self.prev = pp_ranks[(pp_rank - 1) % size] if pp_rank > 0 or ring else None
@@ -197,6 +257,12 @@ class StageLinks:
         # sends posted and not yet known complete: (works, tensor kept alive for them, what, peer)
         self.pending: list[tuple[list, torch.Tensor, str, int]] = []
         self._timing = False
+        # peers reached through shared memory (choose_transport); set up in rank order, which
+        # cannot deadlock (every rank takes its pairs in one global order)
+        peers = sorted({p for p in (self.prev, self.next) if p is not None})
+        self.shm = {peer: shm_link.channel(group, peer) for peer in peers
+                    if choose_transport(transport, device, self.me, peer) == "shm"}
+        self.channels = list(self.shm.values())
 
     def _timed(self, fn, *args):
         if self.timer is None or self._timing:  # a wait inside a timed exchange is timed already
@@ -239,7 +305,11 @@ class StageLinks:
 
     def _drop_completed(self) -> None:
         """Forget the pending sends that have completed (raising a failed one's error), so that
-        the list stays short and an error shows at the next post, not only at the flush."""
+        the list stays short and an error shows at the next post, not only at the flush. Shared
+        memory channels push their queued sends and copy out what has arrived (neither waits)."""
+        for channel in self.channels:
+            channel.push()
+            channel.drain()
         kept = []
         for entry in self.pending:
             works, _, what, peer = entry
@@ -282,19 +352,47 @@ class StageLinks:
         Only the received headers are waited here (they size the tensors to receive); the sends
         stay pending (flush) and the tensors' receives are returned as Incoming handles. A pair's
         messages of one tag arrive in the order they were posted, so a header or tensor still in
-        flight from an earlier step is matched before this step's."""
+        flight from an earlier step is matched before this step's. Peers on shared memory: see
+        _transfer_shm."""
         self._drop_completed()
+        incoming = self._transfer_shm([s for s in sends if s[1] in self.shm], [r for r in recvs if r[0] in self.shm])
+        sends = [s for s in sends if s[1] not in self.shm]
+        backend = iter(self._transfer_backend(sends, [r for r in recvs if r[0] not in self.shm]))
+        return [next(incoming) if peer in self.shm else next(backend) for peer, _ in recvs]
+
+    def _needs_header(self, tensor: torch.Tensor, peer: int, tag: int) -> bool:
+        """Whether a send must carry its shape header (and records the shape when it does)."""
+        key, shape = self._cached(tag, self.me, peer)
+        if shape is None:
+            if key is not None:
+                self.shapes[key] = tuple(tensor.shape)
+            return True
+        if shape != tuple(tensor.shape):
+            raise RuntimeError(f"pipeline p2p: rank {self.me} sends rank {peer} a tensor of shape "
+                               f"{tuple(tensor.shape)} where an earlier message for the same input shapes had "
+                               f"{shape}: a stage's output shape must follow from its micro-batch's shapes")
+        return False
+
+    def _transfer_shm(self, sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[int, int]]):
+        """_transfer's messages to peers on shared memory: each send copied into the channel (or
+        queued there) at once, each receive an Incoming; strict mode's flags as in post()."""
+        incoming = [_ShmIncoming(self, self.shm[peer], tag) for peer, tag in recvs]
+        if strict_mode():
+            for peer, _ in recvs:
+                _FLAGS.receive_posted(peer, self.me)
+        for tensor, peer, tag in sends:
+            self._needs_header(tensor, peer, tag)  # no header travels; the shape check still holds
+            if strict_mode():
+                _FLAGS.wait_for_receive(self.me, peer)
+            self.shm[peer].send(tensor, tag)
+        return iter(incoming)
+
+    def _transfer_backend(self, sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[int, int]]):
+        """_transfer's messages through the process group: header batch, then tensor batch."""
         header_sends, header_recvs = [], []
         for tensor, peer, tag in sends:
-            key, shape = self._cached(tag, self.me, peer)
-            if shape is None:
+            if self._needs_header(tensor, peer, tag):
                 header_sends.append((self._header(tensor), peer, tag, "a shape header"))
-                if key is not None:
-                    self.shapes[key] = tuple(tensor.shape)
-            elif shape != tuple(tensor.shape):
-                raise RuntimeError(f"pipeline p2p: rank {self.me} sends rank {peer} a tensor of shape "
-                                   f"{tuple(tensor.shape)} where an earlier message for the same input shapes had "
-                                   f"{shape}: a stage's output shape must follow from its micro-batch's shapes")
         shapes, headers = [], []
         for peer, tag in recvs:
             key, shape = self._cached(tag, peer, self.me)
@@ -330,6 +428,13 @@ class StageLinks:
                 except RuntimeError as e:
                     raise self._send_failed(what, peer, e) from e
                 self.pending.pop(0)
+            seconds = None if timeout is None else timeout.total_seconds()
+            for channel in self.channels:
+                try:
+                    shm_link.progress(self.channels, lambda c=channel: not c.queued, "flush of its sends to",
+                                      channel.peer, seconds)
+                except RuntimeError as e:
+                    raise self._send_failed(f"{len(channel.queued)} queued message(s)", channel.peer, e) from e
 
         self._timed(wait_all)
 

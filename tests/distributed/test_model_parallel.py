@@ -231,6 +231,9 @@ INTERLEAVED_LAYOUTS = [
     ("pp2_v2_zero2_recompute", {"recompute_granularity": "full"}, 2, False),
 ]
 SAVE_AT = 4
+# the interleaved equivalence runs name the shared-memory transport ("auto" picks it here as well):
+# a test of the transport carrying the model's messages, with dropout on
+SHM = {"pipeline": {"p2p_transport": "shm"}}
 
 
 @pytest.fixture(scope="module")
@@ -255,8 +258,9 @@ def test_interleaved_pipeline_matches_single_process_with_dropout(pools, interle
     """PP=2 x v=2 (4 micro-batches of 2) trains as one process, masks included; its checkpoint
     (saved at step 4, layout-free) loads in one process, which goes on to train as it did."""
     save_dir = str(tmp_path / "ckpt")
-    results = pools(2).run(_train_strict_p2p if strict else train, _config(stage, 2), token_dataset_prefix_module,
-                           STEPS, 0, save_dir, SAVE_AT, None, {**INTERLEAVED, **overrides}, (1, 2))
+    results = pools(2).run(_train_strict_p2p if strict else train, _config(stage, 2, **SHM),
+                           token_dataset_prefix_module, STEPS, 0, save_dir, SAVE_AT, None, {**INTERLEAVED, **overrides},
+                           (1, 2))
     for result in results:
         _assert_matches(interleaved_reference, result)
     assert interleaved_reference["losses"][-1] < interleaved_reference["losses"][0]
@@ -272,7 +276,7 @@ def test_interleaved_pipeline_with_tensor_parallelism_matches_tp_with_dropout(po
     masks, so TP=2 and one process differ with dropout on: see the module docstring)."""
     alone = pools(2).run(train, _config(1, 2), token_dataset_prefix_module, STEPS, 0, None, None, None,
                          INTERLEAVED_MODEL, (2, 1))
-    pipelined = pools(4).run(train, _config(1, 2), token_dataset_prefix_module, STEPS, 0, None, None, None,
+    pipelined = pools(4).run(train, _config(1, 2, **SHM), token_dataset_prefix_module, STEPS, 0, None, None, None,
                              INTERLEAVED, (2, 2))
     for result in pipelined:
         _assert_matches(alone[0], result)

@@ -2,7 +2,8 @@
 posted its receive (which deadlocks on NCCL, where gloo's buffered sends hide it): strict mode,
 in which a send waits for the peer's receive, refuses an exchange that does, and the 1F1B
 schedule runs in it on 4 stages, with 1 to 8 micro-batches of varying shapes, giving the
-gradients of the whole model (float64: equal to ~1e-12)."""
+gradients of the whole model (float64: equal to ~1e-12), through shared memory and through gloo.
+The header, pending-send and timed-out-send tests are the backend's (transport="backend")."""
 
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def _loss(layer: torch.nn.Linear, x: torch.Tensor, last: bool) -> torch.Tensor:
     return y.pow(2).sum() if last else y
 
 
-def _pipeline_gradients(micro: int, strict: bool) -> dict:
+def _pipeline_gradients(micro: int, strict: bool, transport: str) -> dict:
     """This stage's gradients through 1F1B, and the same layer's gradients in the whole model."""
     stage = dist.get_rank()
     layers, inputs = _layers(), _inputs(micro)
@@ -73,7 +74,8 @@ def _pipeline_gradients(micro: int, strict: bool) -> dict:
         x.backward()
     expected = [p.grad.clone() for p in layers[stage].parameters()]
     layers.zero_grad(set_to_none=True)
-    links = StageLinks(list(range(STAGES)), stage, dist.group.WORLD, torch.float64, torch.device("cpu"))
+    links = StageLinks(list(range(STAGES)), stage, dist.group.WORLD, torch.float64, torch.device("cpu"),
+                       transport=transport)
 
     def forward_step(m: int, received):
         return _loss(layers[stage], inputs[m] if received is None else received, stage == STAGES - 1)
@@ -90,10 +92,14 @@ def _pipeline_gradients(micro: int, strict: bool) -> dict:
     return {"max_error": max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, expected))}
 
 
+TRANSPORTS = ["shm", "backend"]  # shared memory (auto's choice here) and gloo
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("strict", [True, False], ids=["strict", "default"])
 @pytest.mark.parametrize("micro", [1, 2, 3, 5, 8])  # fewer micro-batches than stages, as many, more
-def test_one_f_one_b_gives_the_whole_models_gradients(pools, micro, strict):
-    for stage, result in enumerate(pools(STAGES).run(_pipeline_gradients, micro, strict)):
+def test_one_f_one_b_gives_the_whole_models_gradients(pools, micro, strict, transport):
+    for stage, result in enumerate(pools(STAGES).run(_pipeline_gradients, micro, strict, transport)):
         assert result["max_error"] <= 1e-12, f"stage {stage}: relative gradient error {result['max_error']:.2e}"
 
 
@@ -110,7 +116,7 @@ class _CountingLinks(StageLinks):
         return super()._header(tensor)
 
 
-def _interleaved_gradients(micro: int, strict: bool, runs: int = 1) -> dict:
+def _interleaved_gradients(micro: int, strict: bool, runs: int = 1, transport: str | None = None) -> dict:
     """This stage's model chunks' gradients through the interleaved schedule (chunk c of stage s is
     layer c * STAGES + s), and the same layers' gradients in the whole model. runs > 1: the inputs
     all of one shape, the schedule run `runs` times with a shape cache (headers counted per run)."""
@@ -141,7 +147,8 @@ def _interleaved_gradients(micro: int, strict: bool, runs: int = 1) -> dict:
     try:
         for _ in range(runs):
             links = _CountingLinks(list(range(STAGES)), stage, dist.group.WORLD, torch.float64, torch.device("cpu"),
-                                   ring=True, shapes=shapes, shape_key="one shape" if runs > 1 else None)
+                                   ring=True, shapes=shapes, shape_key="one shape" if runs > 1 else None,
+                                   transport=transport)
             _CountingLinks.headers = 0
             interleaved_one_f_one_b(micro, stage, STAGES, CHUNKS, links, forward_step, backward_step)
             headers.append(_CountingLinks.headers)
@@ -152,18 +159,20 @@ def _interleaved_gradients(micro: int, strict: bool, runs: int = 1) -> dict:
             "last_backward": order[-1], "backwards": len(order) // runs, "headers": headers}
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("strict", [True, False], ids=["strict", "default"])
 @pytest.mark.parametrize("micro", [4, 8, 12])  # all warm-up (m == p), and a steady state
-def test_interleaved_schedule_gives_the_whole_models_gradients(pools, micro, strict):
-    for stage, result in enumerate(pools(STAGES).run(_interleaved_gradients, micro, strict)):
+def test_interleaved_schedule_gives_the_whole_models_gradients(pools, micro, strict, transport):
+    for stage, result in enumerate(pools(STAGES).run(_interleaved_gradients, micro, strict, 1, transport)):
         assert result["max_error"] <= 1e-12, f"stage {stage}: relative gradient error {result['max_error']:.2e}"
         assert result["backwards"] == micro * CHUNKS and result["last_backward"] == (0, micro - 1)
 
 
 def test_shape_cache_leaves_out_the_headers_it_has_seen(pools):
     """Strict mode, 3 runs of the schedule over one shape cache: the first sends each link's
-    activation and gradient header once (not one per message), the later ones none."""
-    for stage, result in enumerate(pools(STAGES).run(_interleaved_gradients, 8, True, 3)):
+    activation and gradient header once (not one per message), the later ones none (headers are
+    the backend's: shared-memory messages carry their shapes in their descriptors)."""
+    for stage, result in enumerate(pools(STAGES).run(_interleaved_gradients, 8, True, 3, "backend")):
         assert result["max_error"] <= 1e-12, f"stage {stage}: relative gradient error {result['max_error']:.2e}"
         # in the ring every rank sends activations to the next stage and gradients to the previous one
         assert result["headers"] == [2, 0, 0], result["headers"]
@@ -182,7 +191,7 @@ def _send_while_the_receiver_waits(delay: float) -> dict:
     """Rank 0 sends an activation (4 MB, beyond any buffering) that rank 1 posts its receive of
     only `delay` seconds later; rank 0 notes when its send returned and when its flush did."""
     rank = dist.get_rank()
-    links = StageLinks([0, 1], rank, dist.group.WORLD, torch.float32, torch.device("cpu"))
+    links = StageLinks([0, 1], rank, dist.group.WORLD, torch.float32, torch.device("cpu"), transport="backend")
     message = torch.arange(1 << 20, dtype=torch.float32)
     dist.barrier()
     if rank == 0:
@@ -226,7 +235,7 @@ def _schedules_leave_nothing_pending() -> list[tuple[int, int, bool]]:
     for chunks in (1, CHUNKS):
         for forward_only in (False, True):
             links = _RecordingLinks(list(range(STAGES)), stage, dist.group.WORLD, torch.float64, torch.device("cpu"),
-                                    ring=chunks > 1)
+                                    ring=chunks > 1, transport="backend")
             last_chunk = chunks - 1
 
             def forward_step(c: int, m: int, received, chunks=chunks, last_chunk=last_chunk):
@@ -261,7 +270,7 @@ def _timed_out_send() -> str | None:
     to rank 1, which never receives; rank 0's flush waits 0.3 s. Returns its error."""
     group = dist.new_group([0, 1])
     rank = dist.get_rank()
-    links = StageLinks([0, 1], rank, group, torch.float32, torch.device("cpu"))
+    links = StageLinks([0, 1], rank, group, torch.float32, torch.device("cpu"), transport="backend")
     error = None
     if rank == 0:
         links.send_forward(torch.ones(1 << 16))

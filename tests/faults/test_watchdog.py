@@ -163,19 +163,33 @@ def test_sigstopped_store_host_is_named_under_an_srun_style_launch(corpus_prefix
                      r"has not answered for [\d.]+ s", out), out[-4000:]
 
 
-def test_deadlock_with_incomplete_waits_is_found(tmp_path):
-    """Every rank waits, none is stopped: the watchdog calls it a deadlock and the job exits."""
-    timeout = 5
+def _deadlocked_pair(script: str, timeout: int) -> tuple[subprocess.CompletedProcess, str, float]:
+    """`script` (in this directory) under torchrun on 2 ranks: the run, its output and seconds taken."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(HERE, "deadlocked_ranks.py"), str(timeout)]
+           os.path.join(HERE, script), str(timeout)]
     start = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    took = time.monotonic() - start
-    out = proc.stdout + proc.stderr
+    return proc, proc.stdout + proc.stderr, time.monotonic() - start
+
+
+def test_deadlock_with_incomplete_waits_is_found(tmp_path):
+    """Every rank waits, none is stopped: the watchdog calls it a deadlock and the job exits."""
+    proc, out, took = _deadlocked_pair("deadlocked_ranks.py", 5)
     assert proc.returncode != 0 and "receive pending: True" in out, out[-4000:]
     assert re.search(r"rank (\d): p2p recv from rank \d has waited [\d.]+ s \(timeout 5 s\)", out), out[-4000:]
     assert re.search(r"not arrived: no rank is stopped, but every rank is waiting .*: rank \d \(waiting [\d.]+ s; "
                      r"last seen in p2p recv from rank \d", out), out[-4000:]
+    assert took < 60, f"took {took:.0f} s:\n{out[-4000:]}"
+
+
+def test_pipeline_stages_waiting_on_shared_memory_are_found(tmp_path):
+    """The pipeline's shared-memory transport waits in poll(), not in a gloo work: both stages
+    waiting on each other are still a deadlock the watchdog names, and the job exits."""
+    proc, out, took = _deadlocked_pair("shm_deadlocked_stages.py", 5)
+    assert proc.returncode != 0 and "rank 0: links through shared memory with [1]" in out, out[-4000:]
+    assert re.search(r"rank \d: p2p recv (forward|backward) \(the (previous|next) stage's (output|gradient)\) has "
+                     r"waited [\d.]+ s \(timeout 5 s\)", out), out[-4000:]
+    assert "not arrived: no rank is stopped, but every rank is waiting" in out, out[-4000:]
     assert took < 60, f"took {took:.0f} s:\n{out[-4000:]}"
 
 
