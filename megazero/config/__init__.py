@@ -104,7 +104,8 @@ class OffloadParamConfig(Section):
                                                       "read back ahead of use")
     nvme_path: Str | None = Field(None, description="directory for the parameter swap files (device nvme; "
                                                     "required): <nvme_path>/megazero-swap/<run id>/rank<r>/")
-    pin_memory: Bool = Field(False, description="page-lock the host buffers (with CUDA only; no effect on CPU)")
+    pin_memory: Bool = Field(False, description="page-lock the host buffers: the partitions (device cpu), the pool "
+                                                "buffers (nvme) (with CUDA only; no effect on CPU)")
     buffer_count: Int = Field(5, ge=1, description="buffers in the pool (nvme) that partitions are read into, "
                                                    "reused, 4096-aligned; cached partitions (max_in_cpu) hold one "
                                                    "too, given back when a read needs it")
@@ -277,7 +278,10 @@ class PipelineConfig(Section):
                             "ranks on one host with CPU tensors (`megazero.pipeline.shm_link`: the main threads "
                             "copy the bytes; gloo's one tcp thread per process must get a core for every message), "
                             "else the process group (gloo, NCCL); backend: always the process group; shm: shared "
-                            "memory, an error for a link that cannot use it; $MEGAZERO_P2P_TRANSPORT overrides it")
+                            "memory, an error for a link that cannot use it; $MEGAZERO_P2P_TRANSPORT overrides it. "
+                            "Each linked pair reserves two rings of $MEGAZERO_P2P_SHM_RING_BYTES (64 MiB) in /dev/shm; "
+                            "where they do not fit (a default Docker container's 64 MB) auto warns and uses the "
+                            "process group")
 
 
 # an engine key, not a model one: megazero.tensor_parallel.invariant_dropout's docstring says why

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import warnings
 from collections import Counter
 
 import torch
@@ -64,15 +65,21 @@ TRANSPORT_ENV = "MEGAZERO_P2P_TRANSPORT"  # overrides pipeline.p2p_transport
 TRANSPORTS = ("auto", "backend", "shm")
 
 
+def _transport_setting(setting: str | None) -> tuple[str, str]:
+    """The transport asked for, and where it was asked: $MEGAZERO_P2P_TRANSPORT, else `setting`."""
+    source = TRANSPORT_ENV if os.environ.get(TRANSPORT_ENV) else "pipeline.p2p_transport"
+    value = os.environ.get(TRANSPORT_ENV) or setting or "auto"
+    if value not in TRANSPORTS:
+        raise ValueError(f"{source}: expected one of {', '.join(TRANSPORTS)}, got {value!r}")
+    return value, source
+
+
 def choose_transport(setting: str | None, device: torch.device, me: int, peer: int) -> str:
     """"shm" or "backend" for the link between global ranks `me` and `peer`: $MEGAZERO_P2P_TRANSPORT
     if set, else `setting` (pipeline.p2p_transport; None: "auto"). auto: shm when the tensors are
     on CPU and the peer is on this host (both ends decide alike: the device is the run's, the host
     test symmetric); shm: that, or an error naming the ranks."""
-    source = TRANSPORT_ENV if os.environ.get(TRANSPORT_ENV) else "pipeline.p2p_transport"
-    value = os.environ.get(TRANSPORT_ENV) or setting or "auto"
-    if value not in TRANSPORTS:
-        raise ValueError(f"{source}: expected one of {', '.join(TRANSPORTS)}, got {value!r}")
+    value, source = _transport_setting(setting)
     if value == "backend":
         return value
     if device.type != "cpu":
@@ -260,8 +267,17 @@ class StageLinks:
         # peers reached through shared memory (choose_transport); set up in rank order, which
         # cannot deadlock (every rank takes its pairs in one global order)
         peers = sorted({p for p in (self.prev, self.next) if p is not None})
-        self.shm = {peer: shm_link.channel(group, peer) for peer in peers
-                    if choose_transport(transport, device, self.me, peer) == "shm"}
+        self.shm = {}
+        for peer in peers:
+            if choose_transport(transport, device, self.me, peer) != "shm":
+                continue
+            try:
+                self.shm[peer] = shm_link.channel(group, peer)
+            except shm_link.ShmUnavailable as e:
+                if _transport_setting(transport)[0] == "shm":
+                    raise
+                warnings.warn(f"{e}; rank {self.me}'s link to rank {peer} goes through the process group",
+                              stacklevel=2)
         self.channels = list(self.shm.values())
 
     def _timed(self, fn, *args):

@@ -13,7 +13,10 @@ One channel per pair of ranks and process group, both directions: for each direc
 it has consumed, so the sender never overwrites what is unread). The lower rank creates the files
 in a fresh directory under /dev/shm whose name it publishes in the process group's store; once
 both ranks have opened them the directory is removed, so nothing is left behind even if a rank
-dies later (the kernel frees the memory when the last mapping goes).
+dies later (the kernel frees the memory when the last mapping goes). The rings' room is checked
+and reserved when they are made: where /dev/shm cannot hold them (a default Docker container has
+64 MB), both ranks get ShmUnavailable, and StageLinks goes through the process group instead
+(with a warning; an error when the transport "shm" was asked for).
 
 Ordering: a direction's descriptors are read in the order written and each message is copied out
 as soon as its descriptor is read, then queued under its tag; a receive takes its tag's oldest
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import errno
 import os
 import select
 import shutil
@@ -47,6 +51,7 @@ import torch.distributed as dist
 RING_BYTES_ENV = "MEGAZERO_P2P_SHM_RING_BYTES"  # bytes of each direction's ring (default 64 MiB)
 TIMEOUT_ENV = "MEGAZERO_P2P_SHM_TIMEOUT"  # seconds a receive or flush may wait (default 1800)
 _ALIGN = 64
+_UNAVAILABLE = "unavailable"  # published instead of a directory when the rings do not fit
 _MAX_DIMS = 8
 # tag, dtype code, ndim, ring position (absolute), piece bytes, piece offset, total bytes, shape
 _DESCRIPTOR = struct.Struct(f"<7q{_MAX_DIMS}q")
@@ -246,7 +251,8 @@ def progress(channels: list[Channel], done, what: str, peer: int, timeout: float
 
 
 # -- setup ----------------------------------------------------------------------------------------
-_channels: dict = {}  # (store, group name, peer) -> Channel
+_channels: dict = {}  # (group name, peer) -> Channel
+_unavailable: dict = {}  # (group name, peer) -> the ShmUnavailable both ranks got setting it up
 _store_of_channels = None
 
 
@@ -266,16 +272,38 @@ def _ring_bytes() -> int:
     return value // _ALIGN * _ALIGN
 
 
+class ShmUnavailable(RuntimeError):
+    """The lower rank could not make a link's shared memory (too little room in /dev/shm)."""
+
+
 def _create_files(me: int, peer: int, size: int) -> str:
-    """The lower rank's part: a fresh directory with both directions' ring files and FIFOs."""
+    """The lower rank's part: a fresh directory with both directions' ring files and FIFOs. The
+    rings' room is checked and reserved up front: a ring file past what /dev/shm can hold (64 MB
+    in a default Docker container) would be a SIGBUS at first touch, not an error."""
     root = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
     path = tempfile.mkdtemp(prefix=f"megazero-p2p-{me}-{peer}-", dir=root)
     atexit.register(shutil.rmtree, path, True)  # in case the peer never opens them
-    for src, dst in ((me, peer), (peer, me)):
-        with open(os.path.join(path, f"ring-{src}-{dst}"), "wb") as f:
-            f.truncate(size)
-        os.mkfifo(os.path.join(path, f"data-{src}-{dst}"))
-        os.mkfifo(os.path.join(path, f"credit-{src}-{dst}"))
+    stats = os.statvfs(path)
+    free = stats.f_bavail * stats.f_frsize
+    try:
+        if free < 2 * size:
+            raise ShmUnavailable(f"{os.path.dirname(path)} has {free:,} bytes free, the link's two rings need "
+                                 f"{2 * size:,} (${RING_BYTES_ENV} sets a ring's bytes)")
+        for src, dst in ((me, peer), (peer, me)):
+            with open(os.path.join(path, f"ring-{src}-{dst}"), "wb") as f:
+                f.truncate(size)
+                try:
+                    os.posix_fallocate(f.fileno(), 0, size)
+                except OSError as e:
+                    if e.errno == errno.ENOSPC:
+                        raise ShmUnavailable(f"{os.path.dirname(path)} ran out of room for a {size:,}-byte ring "
+                                             f"(${RING_BYTES_ENV} sets its bytes)") from e
+                    # a file system without fallocate: the room was checked above
+            os.mkfifo(os.path.join(path, f"data-{src}-{dst}"))
+            os.mkfifo(os.path.join(path, f"credit-{src}-{dst}"))
+    except ShmUnavailable:
+        shutil.rmtree(path, ignore_errors=True)
+        raise
     return path
 
 
@@ -285,9 +313,16 @@ def connect(store, group_name: str, me: int, peer: int, timeout: float | None = 
     prefix = f"megazero/p2p-shm/{group_name}/{min(me, peer)}-{max(me, peer)}/"
     size = _ring_bytes()
     if me < peer:
-        store.set(prefix + "dir", _create_files(me, peer, size) + f"|{size}")
-    path, size = _wait_key(store, prefix + "dir", me, peer, "create the link's files", timeout).decode().split("|")
-    size = int(size)
+        try:
+            store.set(prefix + "dir", _create_files(me, peer, size) + f"|{size}")
+        except ShmUnavailable as e:
+            store.set(prefix + "dir", f"{_UNAVAILABLE}|{e}")  # the peer learns it too
+    path, detail = _wait_key(store, prefix + "dir", me, peer, "create the link's files",
+                             timeout).decode().split("|", 1)
+    if path == _UNAVAILABLE:
+        raise ShmUnavailable(f"shm p2p: no shared-memory link between ranks {min(me, peer)} and "
+                             f"{max(me, peer)}: {detail}")
+    size = int(detail)
 
     def name(kind: str, src: int, dst: int) -> str:
         return os.path.join(path, f"{kind}-{src}-{dst}")
@@ -319,6 +354,7 @@ def _current_store():
         for old in _channels.values():
             old.close()
         _channels.clear()
+        _unavailable.clear()
         _hosts.clear()
         _store_of_channels = store
     return store
@@ -332,8 +368,14 @@ def channel(group, peer: int) -> Channel:
     live = set(dist.distributed_c10d._world.pg_names.values())
     for key in [key for key in _channels if key[0] not in live]:  # their groups were destroyed
         _channels.pop(key).close()
+    if (name, peer) in _unavailable:  # decided once per pair and group, as both ranks agreed it
+        raise _unavailable[(name, peer)]
     if (name, peer) not in _channels:
-        _channels[(name, peer)] = connect(store, name, dist.get_rank(), peer)
+        try:
+            _channels[(name, peer)] = connect(store, name, dist.get_rank(), peer)
+        except ShmUnavailable as e:
+            _unavailable[(name, peer)] = e
+            raise
     return _channels[(name, peer)]
 
 

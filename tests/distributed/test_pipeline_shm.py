@@ -10,6 +10,7 @@ import datetime
 import glob
 import os
 import socket
+import warnings
 
 import pytest
 import torch
@@ -94,8 +95,8 @@ def test_an_idle_ring_starts_again_at_its_head_and_a_destroyed_groups_channel_cl
         assert result["closed"]
 
 
-def _links_choice(setting: str | None) -> dict:
-    links = StageLinks([0, 1], dist.get_rank(), dist.group.WORLD, torch.float32, torch.device("cpu"),
+def _links_choice(setting: str | None, group=None) -> dict:
+    links = StageLinks([0, 1], dist.get_rank(), group or dist.group.WORLD, torch.float32, torch.device("cpu"),
                        transport=setting)
     peer = 1 - dist.get_rank()
     links.send_forward(torch.full((3,), float(dist.get_rank()))) if peer == 1 else None
@@ -115,6 +116,39 @@ def test_stage_links_choose_shared_memory_on_one_host_for_cpu(pools):
     with pytest.raises(ValueError, match=r"'shm' needs CPU tensors; rank 0's link to rank 1 carries cuda"):
         p2p.choose_transport("shm", torch.device("cuda"), 0, 1)
     assert p2p.choose_transport("auto", torch.device("cuda"), 0, 1) == "backend"
+
+
+def _rings_that_do_not_fit() -> dict:
+    """Rings larger than /dev/shm's room (as in a default Docker container): auto goes through
+    gloo with a warning, shm is an error naming both ranks; no directory is left behind."""
+    stats = os.statvfs("/dev/shm" if os.path.isdir("/dev/shm") else "/tmp")
+    before = set(glob.glob("/dev/shm/megazero-p2p-*"))
+    os.environ[shm_link.RING_BYTES_ENV] = str(stats.f_bavail * stats.f_frsize // 2 + (1 << 20))
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            auto = _links_choice(None, dist.new_group([0, 1]))
+        try:
+            _links_choice("shm", dist.new_group([0, 1]))
+            required = "no error"
+        except shm_link.ShmUnavailable as e:
+            required = str(e)
+    finally:
+        del os.environ[shm_link.RING_BYTES_ENV]
+    return {"auto": auto, "warnings": [str(w.message) for w in caught], "required": required,
+            "left": sorted(set(glob.glob("/dev/shm/megazero-p2p-*")) - before)}
+
+
+def test_rings_that_do_not_fit_in_dev_shm_fall_back_to_the_backend_or_are_an_error(pools):
+    results = pools(2).run(_rings_that_do_not_fit)
+    for rank, result in enumerate(results):
+        assert result["auto"]["shm"] == [], result
+        assert any("no shared-memory link between ranks 0 and 1" in w and "bytes free" in w
+                   and f"rank {rank}'s link to rank {1 - rank} goes through the process group" in w
+                   for w in result["warnings"]), result["warnings"]
+        assert "no shared-memory link between ranks 0 and 1" in result["required"], result["required"]
+        assert result["left"] == [], result["left"]
+    assert results[1]["auto"]["received"] == [0.0, 0.0, 0.0]
 
 
 # ---- a peer that dies or never sends: processes of their own (the pool's would be lost) --------
