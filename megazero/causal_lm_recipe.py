@@ -52,7 +52,8 @@ def causal_lm_run(args: argparse.Namespace, model: torch.nn.Module, tokenizer: S
                 val_loss = validate(engine)
             if data.test:
                 training.run_evaluation(engine, data.test, args, rank, None, data.test_weights, label="test")
-            training.print_sample(model, tokenizer, args, grid, rank)
+            training.print_sample(model, tokenizer, args, grid, rank,
+                                  partitioned=engine.config.zero_optimization.stage == 3)
         return {"iteration": engine.global_steps, "val_loss": val_loss, "unigram_entropy": unigram}
 
     return CausalLMRun(data, unigram, validate, finish)

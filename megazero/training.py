@@ -31,6 +31,7 @@ from megazero.distributed import all_reduce_values
 from megazero.moe import has_moe_layers, moe_stats
 from megazero.profiling import measure_peak_flops
 from megazero.profiling.throughput import peak_cache_path
+from megazero.watchdog import watched
 
 
 def default_tokenizer(prefix: str) -> str:
@@ -414,14 +415,23 @@ def sample_text(model: torch.nn.Module, tokenizer: SentencePieceTokenizer, promp
     return tokenizer.decode(out[0].tolist())
 
 
+@watched("barrier (end of the run)")
+def end_of_run_barrier() -> None:
+    """Every rank done with the run (a watched operation: a rank that never arrives, e.g. one left in
+    a collective its peers skipped, is a deadlock the watchdog names instead of a silent hang)."""
+    dist.barrier()
+
+
 def print_sample(model: torch.nn.Module, tokenizer: SentencePieceTokenizer, args: argparse.Namespace, grid,
-                 rank: int) -> None:
+                 rank: int, partitioned: bool = False) -> None:
     """Rank 0 prints a sample of --sample-tokens after --sample-prompt; under tensor parallelism its
     TP peers (and its expert-parallel peers) generate alongside (the forward has collectives), and
-    with pipeline stages the other stages of its pipeline (and theirs) pass the activations on."""
+    with pipeline stages the other stages of its pipeline (and theirs) pass the activations on.
+    `partitioned` (ZeRO-3: each forward all-gathers its parameters over the data-parallel group):
+    every data-parallel rank generates alongside."""
     # with expert parallelism the MoE layers' all-to-alls need the EP peers of DP rank 0 (DP ranks
     # 0..EP-1): they generate the same text alongside it
-    if grid.dp_rank >= grid.expert_model_parallel_size:
+    if not partitioned and grid.dp_rank >= grid.expert_model_parallel_size:
         return
     text = sample_text(model, tokenizer, args.sample_prompt, args.sample_tokens, args.seed, grid)
     if rank == 0:
@@ -640,7 +650,7 @@ def train(args: argparse.Namespace, model: torch.nn.Module, train_data, *, grid,
                   f"{engine.global_steps}, exiting", flush=True)
         result = finish(engine, val_loss, reason)
         engine.monitor.close()
-        dist.barrier()
+        end_of_run_barrier()
         dist.destroy_process_group()
     finally:
         stop.restore()

@@ -9,8 +9,8 @@ recipes' configs do; the library default is off). Every rank then runs two daemo
   while this rank has been waiting for a third of the timeout it also reads every rank's record;
 - the monitor thread looks at what the main thread waits in. The communication choke points
   (Handle.wait in megazero.zero.collectives, all_reduce_values, the pipeline's point-to-point
-  calls, the checkpoint barrier) mark entering and leaving an operation in memory only: a list
-  append and pop, no store traffic; with the watchdog off they test one global and go on.
+  calls, the checkpoint and end-of-run barriers) mark entering and leaving an operation in memory
+  only: a list append and pop, no store traffic; with the watchdog off they test one global and go on.
 
 Once this rank has waited longer than `timeout`, the verdict:
 

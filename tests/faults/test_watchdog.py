@@ -193,6 +193,16 @@ def test_pipeline_stages_waiting_on_shared_memory_are_found(tmp_path):
     assert took < 60, f"took {took:.0f} s:\n{out[-4000:]}"
 
 
+def test_a_rank_at_the_end_of_run_barrier_while_a_peer_still_waits_is_a_deadlock(tmp_path):
+    """The recipe's last barrier is a watched operation: a rank there is waiting, not computing, so
+    a peer stuck in an operation it skipped is named instead of hanging the job silently."""
+    proc, out, took = _deadlocked_pair("end_barrier_deadlock.py", 5)
+    assert proc.returncode != 0 and "rank 1: at the end of the run" in out, out[-4000:]
+    assert "not arrived: no rank is stopped, but every rank is waiting" in out, out[-4000:]
+    assert "barrier (end of the run)" in out, out[-4000:]
+    assert took < 60, f"took {took:.0f} s:\n{out[-4000:]}"
+
+
 @pytest.mark.slow
 def test_slow_checkpoint_save_and_evaluation_do_not_trip_it(corpus_prefix, tmp_path):
     """Rank 1's first fsync in a checkpoint save and rank 0's first evaluation batch each stall for 1.5x
