@@ -248,21 +248,47 @@ def partition_method(args: argparse.Namespace) -> str:
     return flag or explicit or "parameters"
 
 
-def pipeline_split(model: torch.nn.Module, grid, method: str) -> str:
-    """At PP > 1, the line that says how the layers were split (a collective over each pipeline):
-    each stage's layers, or with v model chunks each stage's chunks, e.g. "pipeline: 2 stages x 2
-    model chunks, split measured: layers [0-4, 9-14 | 4-9, 14-16]"; "" at PP = 1."""
+def zero_summary(config) -> str:
+    """", ZeRO-<stage>[, offload optimizer <device>][, offload params <device>]" for the header
+    line; "" at stage 0."""
+    zero = config.zero_optimization
+    if zero.stage == 0:
+        return ""
+    offloads = [f"offload {what} {section.device}" for what, section in
+                (("optimizer", zero.offload_optimizer), ("params", zero.offload_param)) if section.device != "none"]
+    return ", ".join([f", ZeRO-{zero.stage}", *offloads])
+
+
+def _layer_range(layers: range) -> str:
+    """Layers as written inclusively: "4-8", "9" for one layer."""
+    last = layers.stop - 1
+    return f"{layers.start}" if last == layers.start else f"{layers.start}-{last}"
+
+
+def pipeline_split(model: torch.nn.Module, grid, method: str, transport: str | None = None) -> str:
+    """At PP > 1, the line that says how the layers were split and how messages travel (a
+    collective over each pipeline): each stage's layers (inclusive), or with v model chunks each
+    stage's chunks, e.g. "pipeline: 2 stages x 2 model chunks, split measured: layers [0-3, 9-13 |
+    4-8, 14-15], p2p through shared memory"; "" at PP = 1. `transport`: pipeline.p2p_transport."""
     from megazero.pipeline.chunks import ModelChunks
+    from megazero.pipeline.p2p import choose_transport
 
     stages = grid.pipeline_model_parallel_size
     if stages == 1:
         return ""
     chunks = list(model.chunks) if isinstance(model, ModelChunks) else [model]
-    mine = ", ".join(f"{c.layers.start}-{c.layers.stop}" for c in chunks)
+    mine = ", ".join(_layer_range(c.layers) for c in chunks)
+    # the link to the next stage (the last stage's to its previous one): the choice StageLinks makes
+    peer = grid.pp_ranks[grid.pp_rank + 1 if grid.pp_rank + 1 < stages else grid.pp_rank - 1]
+    device = next(model.parameters()).device
+    way = choose_transport(transport, device, dist.get_rank(), peer)
     everyone = [None] * stages
-    dist.all_gather_object(everyone, mine, group=grid.pp_group)
+    dist.all_gather_object(everyone, (mine, way), group=grid.pp_group)
     shape = f"{stages} stages x {len(chunks)} model chunks" if len(chunks) > 1 else f"{stages} stages"
-    return f"pipeline: {shape}, split {method}: layers [{' | '.join(everyone)}]"
+    ways = {w for _, w in everyone}
+    p2p = "shared memory" if ways == {"shm"} else "the process group" if ways == {"backend"} else \
+        "shared memory and the process group"
+    return f"pipeline: {shape}, split {method}: layers [{' | '.join(m for m, _ in everyone)}], p2p through {p2p}"
 
 
 def microbatches_per_step(args: argparse.Namespace) -> int | None:
@@ -637,8 +663,8 @@ def train(args: argparse.Namespace, model: torch.nn.Module, train_data, *, grid,
               f"{grid.tensor_model_parallel_size} x PP {grid.pipeline_model_parallel_size} x DP "
               f"{grid.data_parallel_size}{ep}, batch {engine.train_batch_size()} = "
               f"{engine.train_micro_batch_size_per_gpu()} x {engine.gradient_accumulation_steps()} x "
-              f"{engine.dp_world_size}, {engine.config.compute_dtype}{extra}", flush=True)
-    split = pipeline_split(model, grid, partition_method(args))
+              f"{engine.dp_world_size}, {engine.config.compute_dtype}{extra}{zero_summary(engine.config)}", flush=True)
+    split = pipeline_split(model, grid, partition_method(args), engine.config.pipeline.p2p_transport)
     if rank == 0 and split:
         print(split, flush=True)
     stop = StopSignal()
