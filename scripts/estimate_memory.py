@@ -79,6 +79,25 @@ def main(argv=None) -> None:
         print(f"{stage:<7}{e['parameters'] / gib:>12.2f}{e['gradients'] / gib:>12.2f}"
               f"{e['optimizer_states'] / gib:>12.2f}{e['total'] / gib:>12.2f}{paper:>12.2f}{disk}")
     print("per rank, model states only (activations and communication buckets come on top)")
+    for note in _offload_notes(args, psi):
+        print("note: " + note)
+
+
+def _offload_notes(args: argparse.Namespace, psi: int) -> list[str]:
+    """Where the optimizer offload's settings leave its memory unbounded by the sub-group."""
+    if args.offload_optimizer != "nvme":
+        return []
+    partition = -(-psi // args.num_ranks)
+    chunk = -(-args.reduce_bucket_size // args.num_ranks)  # a sub-group is whole master chunks
+    if args.sub_group_size >= partition:
+        return [f"sub_group_size {args.sub_group_size:,} >= a rank's partition ({partition:,} elements): the "
+                f"optimizer steps it as one sub-group, its whole state in memory during the step; a smaller "
+                f"--sub-group-size (zero_optimization.sub_group_size) bounds it"]
+    if args.sub_group_size < chunk:
+        return [f"sub_group_size {args.sub_group_size:,} is below a master chunk ({chunk:,} elements: "
+                f"reduce_bucket_size / ranks), which is never split: each sub-group is one chunk; a smaller "
+                f"--reduce-bucket-size makes them smaller"]
+    return []
 
 
 if __name__ == "__main__":

@@ -33,3 +33,24 @@ def test_estimate_memory_reads_the_llama_configs():
         with contextlib.redirect_stdout(out):
             main(["--model-config", os.path.join(REPO, "configs", f"{name}.json")])
         assert out.getvalue().startswith(f"{millions} M parameters"), (name, out.getvalue())
+
+
+def test_estimate_memory_notes_sub_groups_that_do_not_bound_the_optimizer_offload():
+    """A sub_group_size of a rank's whole partition, or below the master chunk it cannot split, is
+    named with the flag that changes it; a sub-group that bounds the step gets no note."""
+    import contextlib
+    import io
+
+    from scripts.estimate_memory import main
+
+    def notes(*flags: str) -> list[str]:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            main(["--num-ranks", "2", "--offload-optimizer", "nvme", *flags])
+        return [line for line in out.getvalue().splitlines() if line.startswith("note: ")]
+
+    [whole] = notes()  # the default sub_group_size, 1e9, covers a rank's 778.8 M elements
+    assert ">= a rank's partition (778,843,200 elements)" in whole and "--sub-group-size" in whole
+    [chunk] = notes("--sub-group-size", "100000000")  # under a 250 M-element chunk (5e8 bucket / 2)
+    assert "below a master chunk (250,000,000 elements" in chunk and "--reduce-bucket-size" in chunk
+    assert notes("--sub-group-size", "100000000", "--reduce-bucket-size", "50000000") == []
