@@ -156,11 +156,12 @@ def _build(spec: OpSpec, verbose: bool):
 
     directory = build_dir(spec)
     os.makedirs(directory, exist_ok=True)
-    if not any(f.endswith(".so") for f in os.listdir(directory)):
-        print(f"[megazero] building op {spec.name} (once, cached in {directory})", file=sys.stderr, flush=True)
     with open(os.path.join(directory, ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # the first rank builds; the others wait, then load its result
         try:
+            if not any(f.endswith(".so") for f in os.listdir(directory)):  # (under the lock: said once)
+                print(f"[megazero] building op {spec.name} (once, cached in {directory})", file=sys.stderr,
+                      flush=True)
             _remove_stale_torch_lock(directory)
             return load(name=f"megazero_{spec.name}_{build_key(spec)}",
                         sources=[os.path.join(CSRC, s) for s in spec.sources], extra_cflags=spec.cflags,

@@ -108,3 +108,20 @@ def test_a_killed_builds_torch_lock_does_not_hang_the_next_build(broken_op, tmp_
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, env=env, timeout=240)
     assert run.returncode == 0 and "loaded None" in run.stdout, run.stdout + run.stderr
     assert "unavailable" in run.stderr
+
+
+def test_ranks_loading_an_unbuilt_op_together_build_it_once_and_say_so_once(tmp_path):
+    """Two processes load an op that is not built yet, as two ranks do at start-up: one builds it
+    (the other waits on the lock and loads its result), and only the builder says it is building."""
+    source = tmp_path / "tiny.cpp"
+    source.write_text("#include <pybind11/pybind11.h>\n"
+                      "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def(\"one\", [] { return 1; }); }\n")
+    script = ("import sys\nfrom megazero.ops import builder\n"
+              f"builder.SPECS['tiny'] = builder.OpSpec('tiny', [{str(source)!r}])\n"
+              "print('one', builder.load_op('tiny').one())\n")
+    env = {**os.environ, "PYTHONPATH": REPO, "MEGAZERO_OPS_CACHE": str(tmp_path / "cache"), "MEGAZERO_OPS_STRICT": "1"}
+    runs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, cwd=REPO, env=env) for _ in range(2)]
+    outs = [run.communicate(timeout=240) for run in runs]
+    assert all(run.returncode == 0 and "one 1" in out for run, (out, _) in zip(runs, outs)), outs
+    assert sum(err.count("[megazero] building op tiny") for _, err in outs) == 1, outs
