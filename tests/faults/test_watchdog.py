@@ -163,10 +163,10 @@ def test_sigstopped_store_host_is_named_under_an_srun_style_launch(corpus_prefix
                      r"has not answered for [\d.]+ s", out), out[-4000:]
 
 
-def _deadlocked_pair(script: str, timeout: int) -> tuple[subprocess.CompletedProcess, str, float]:
+def _deadlocked_pair(script: str, timeout: int, *extra: str) -> tuple[subprocess.CompletedProcess, str, float]:
     """`script` (in this directory) under torchrun on 2 ranks: the run, its output and seconds taken."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(HERE, script), str(timeout)]
+           os.path.join(HERE, script), str(timeout), *extra]
     start = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return proc, proc.stdout + proc.stderr, time.monotonic() - start
@@ -185,7 +185,7 @@ def test_deadlock_with_incomplete_waits_is_found(tmp_path):
 def test_pipeline_stages_waiting_on_shared_memory_are_found(tmp_path):
     """The pipeline's shared-memory transport waits in poll(), not in a gloo work: both stages
     waiting on each other are still a deadlock the watchdog names, and the job exits."""
-    proc, out, took = _deadlocked_pair("shm_deadlocked_stages.py", 5)
+    proc, out, took = _deadlocked_pair("stuck_stages.py", 5, "shm")
     assert proc.returncode != 0 and "rank 0: links through shared memory with [1]" in out, out[-4000:]
     assert re.search(r"rank \d: p2p recv (forward|backward) \(the (previous|next) stage's (output|gradient)\) has "
                      r"waited [\d.]+ s \(timeout 5 s\)", out), out[-4000:]
@@ -196,7 +196,7 @@ def test_pipeline_stages_waiting_on_shared_memory_are_found(tmp_path):
 def test_a_rank_at_the_end_of_run_barrier_while_a_peer_still_waits_is_a_deadlock(tmp_path):
     """The recipe's last barrier is a watched operation: a rank there is waiting, not computing, so
     a peer stuck in an operation it skipped is named instead of hanging the job silently."""
-    proc, out, took = _deadlocked_pair("end_barrier_deadlock.py", 5)
+    proc, out, took = _deadlocked_pair("stuck_stages.py", 5, "end_barrier")
     assert proc.returncode != 0 and "rank 1: at the end of the run" in out, out[-4000:]
     assert "not arrived: no rank is stopped, but every rank is waiting" in out, out[-4000:]
     assert "barrier (end of the run)" in out, out[-4000:]
