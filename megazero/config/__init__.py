@@ -8,8 +8,8 @@ and a one-line description. `optimizer.params` is checked against the params mod
 valid key as a suggestion); nothing is silently ignored.
 
 `python -m megazero.config schema` prints the JSON Schema (committed as
-configs/megazero.schema.json), `python -m megazero.config readme-table` the README's key table
-(both made in `megazero.config.schema`).
+configs/megazero.schema.json), `python -m megazero.config docs-table` the key table of
+docs/engine.md (both made in `megazero.config.schema`).
 """
 
 from __future__ import annotations
@@ -75,10 +75,9 @@ class OffloadOptimizerConfig(Section):
     nvme_path: Str | None = Field(None, description="directory for the swap files (device nvme; required): "
                                                     "<nvme_path>/megazero-swap/<run id>/rank<r>/, removed at exit")
     pin_memory: Bool = Field(False, description="page-lock the host buffers (with CUDA only; no effect on CPU)")
-    buffer_count: Int = Field(4, ge=1, description="sub-group buffers in the pool (nvme): 3 overlap reading the "
-                                                   "next sub-group, stepping this one and writing the previous; "
-                                                   "at stages 2-3 also the size of backward's gradient ring, in "
-                                                   "master chunks (gradients that fit in it never reach the disk)")
+    buffer_count: Int = Field(4, ge=1, description="sub-group buffers (nvme): 3 overlap the next one's read, this "
+                                                   "one's step and the last one's write; at stages 2-3 also "
+                                                   "backward's gradient ring, in master chunks")
     fast_init: Bool = Field(False, description="accepted for DeepSpeed; optimizer states are always created by "
                                                "the first step, sub-group by sub-group, never staged at start-up")
     ratio: Float = Field(1.0, gt=0, le=1, description="share of the optimizer offloaded (only 1.0: partial "
@@ -126,9 +125,13 @@ class ZeroConfig(Section):
     reduce_bucket_size: Int = Field(
         500_000_000, ge=1, description="elements per gradient bucket: a bucket closes at the first parameter "
                                        "that brings it to this size (at stage 3 buckets span layers)")
+    # DeepSpeed defaults this to true at stage 3 only, where its overlap at stages 1-2 costs extra
+    # buffers; here overlap costs stages 0-1 nothing (in-place reductions of the full buffer) and
+    # false makes stage 2 keep every bucket's buffer until backward ends: the whole gradient
     overlap_comm: Bool = Field(True, description="reduce a bucket during the rest of backward, as soon as it fills "
                                                  "(false: stages 0-2 reduce after backward, stage 3 waits for "
-                                                 "each bucket as it fills)")
+                                                 "each bucket). True at every stage, unlike DeepSpeed (stage 3 "
+                                                 "only): false saves no memory here")
     stage3_param_persistence_threshold: Int = Field(
         100_000, ge=0, description="stage 3: parameters smaller than this stay whole on every rank")
     stage3_prefetch_bucket_size: Int = Field(
@@ -241,11 +244,11 @@ class CheckpointConfig(Section):
                                                 "(never the one `latest` names); 0 keeps all")
 
 
+# DeepSpeed has no such block; exiting lets the launcher end the job instead of leaving it hung
 class WatchdogConfig(Section):
-    """`watchdog` (megazero.watchdog): a rank that has waited in a collective or point-to-point operation
-    longer than `timeout` for a peer that is stopped, dead or deadlocked prints the operation and the
-    ranks that have not arrived, and exits (code 75) so that the launcher ends the job. Off by default
-    (DeepSpeed has no such block; the recipes' configs turn it on)."""
+    """`watchdog` (megazero.watchdog): a rank waiting longer than `timeout` in a collective or p2p
+    operation for a stopped, dead or deadlocked peer names the operation and the missing ranks and
+    exits (code 75). Off by default; the recipes' configs turn it on."""
 
     enabled: Bool = Field(False, description="run the hung-rank watchdog (a heartbeat thread per rank)")
     timeout: Float = Field(60.0, ge=5, le=1800, description="seconds an operation may wait for a stopped, dead or "
@@ -254,50 +257,49 @@ class WatchdogConfig(Section):
                                                           "process group's timeout, 1800 s")
 
 
+# DeepSpeed has a block of this name for its PipelineModule; megazero reads these keys of it
 class PipelineConfig(Section):
-    """`pipeline` (DeepSpeed has a block of this name for its PipelineModule; megazero reads this key
-    of it): the model chunks of each pipeline stage. The model is built before initialize(), so the
-    key says how to build it (`virtual_stage_layers()`, then models.parallelize.parallelize(config,
-    grid, that)) and initialize() checks the model it is given against it."""
+    """`pipeline`: how the pipeline stages are built and linked. The model is built before
+    initialize(), so build it with these keys (virtual_stage_layers(), pipeline_partition_method());
+    initialize() checks the model against them."""
 
     num_layers_per_virtual_stage: Int | None = Field(
         None, ge=1, description="interleaved 1F1B (Megatron's --num-layers-per-virtual-pipeline-stage, which must "
                                 "agree): each stage holds num_layers / (PP x this) model chunks; null: one chunk")
+    # compute: the last stage's output layer and loss over the vocabulary count as the compute they
+    # cost (Megatron's account_for_loss_in_pipeline_split); measured: a layer's, the embeddings' and
+    # the head and loss's forward + backward timed at build time on every rank (GPT and Llama); with
+    # v > 1 chunks both take the split whose interleaved schedule simulates the shortest step at the
+    # run's micro-batches per step (megazero.pipeline.schedule_simulation); checkpoints load at any
     partition_method: Literal["parameters", "compute", "measured"] = Field(
-        "parameters", description="which layers each stage holds (--pipeline-partition-method): contiguous ranges "
-                                  "balanced by parameter count (DeepSpeed's default), or by forward FLOPs, the last "
-                                  "stage's output layer and loss over the vocabulary counted as the compute they cost "
-                                  "(Megatron's account_for_loss_in_pipeline_split), or by measured time (measured: "
-                                  "a layer's, the embeddings' and the head and loss's forward + backward timed at "
-                                  "build time on every rank, GPT and Llama); with v > 1 chunks compute and measured "
-                                  "take the split whose interleaved schedule simulates the shortest step at the "
-                                  "run's micro-batches per step (`megazero.pipeline.schedule_simulation`); "
-                                  "checkpoints load at any")
+        "parameters", description="which layers each stage holds (--pipeline-partition-method): balanced by "
+                                  "parameter count (DeepSpeed's default), by forward FLOPs with the head and loss "
+                                  "counted, or by forward + backward time measured at build time")
+    # shared memory (megazero.pipeline.shm_link): the main threads copy the bytes, where gloo's one tcp
+    # thread per process must get a core for every message. Each linked pair reserves two rings of
+    # $MEGAZERO_P2P_SHM_RING_BYTES (64 MiB) in /dev/shm; where they do not fit (a default Docker
+    # container's 64 MB) auto warns and uses the process group
     p2p_transport: Literal["auto", "backend", "shm"] = Field(
-        "auto", description="how pipeline messages travel between stages: auto: through shared memory between "
-                            "ranks on one host with CPU tensors (`megazero.pipeline.shm_link`: the main threads "
-                            "copy the bytes; gloo's one tcp thread per process must get a core for every message), "
-                            "else the process group (gloo, NCCL); backend: always the process group; shm: shared "
-                            "memory, an error for a link that cannot use it; $MEGAZERO_P2P_TRANSPORT overrides it. "
-                            "Each linked pair reserves two rings of $MEGAZERO_P2P_SHM_RING_BYTES (64 MiB) in /dev/shm; "
-                            "where they do not fit (a default Docker container's 64 MB) auto warns and uses the "
-                            "process group")
+        "auto", description="how stages exchange activations: auto: shared memory between ranks on one host "
+                            "with CPU tensors (2 x 64 MiB of /dev/shm per link), else the process group; "
+                            "backend: the process group; shm: shared memory or an error. "
+                            "$MEGAZERO_P2P_TRANSPORT overrides it")
 
 
-# an engine key, not a model one: megazero.tensor_parallel.invariant_dropout's docstring says why
+# an engine key, not a model one: megazero.tensor_parallel.invariant_dropout's docstring says why.
+# Off: streams keyed by step, micro-batch and layer, and torch's attention kernel. On: 1.04x the CPU
+# time of a forward + backward (GPT hidden 256, 4 layers, seq 128, batch 8, dropout 0.1, fp32, one
+# thread: 530 vs 509 ms, medians of 15 alternating trials; not measured on a GPU, where the
+# default's fused attention likely costs more)
 class DropoutMasksConfig(Section):
-    """`dropout_masks` (megazero's own block): how training forwards key their dropout masks. Off: one
-    mask per micro-batch (streams keyed by step, micro-batch and layer; torch's attention kernel),
-    equal across layouts that keep the micro-batch size. On: one mask per sample and attention head
-    (megazero.tensor_parallel.invariant_dropout), equal at any micro-batch size, DP, TP, SP, PP, v
-    and EP, for 1.04x the CPU time of a forward + backward (GPT hidden 256, 4 layers, seq 128, batch
-    8, dropout 0.1, fp32, one thread: 530 vs 509 ms, medians of 15 alternating trials; not measured
-    on a GPU, where the default's fused attention likely costs more)."""
+    """`dropout_masks` (megazero's own block): how training forwards key their dropout masks: one
+    mask per micro-batch (equal across layouts that keep the micro-batch size), or one per sample
+    and attention head (equal at any micro-batch size, DP, TP, SP, PP, v and EP; a little slower)."""
 
     layout_invariant: Bool = Field(
         False, description="draw every dropout mask per sample (and attention head) from (seed, step, sample, "
                            "layer, site), so that any micro-batch size, DP, TP, SP, PP or EP layout draws the "
-                           "same masks (slower; see the README)")
+                           "same masks (slower)")
 
 
 def _optimizers() -> dict:

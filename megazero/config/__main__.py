@@ -1,4 +1,4 @@
-"""`python -m megazero.config schema | readme-table [--write README.md]`: see megazero.config.schema."""
+"""`python -m megazero.config schema | docs-table [--write docs/engine.md]`: see megazero.config.schema."""
 
 from megazero.config.schema import main
 

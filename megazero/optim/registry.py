@@ -10,7 +10,7 @@ An implementation is a factory `(params, **config params) -> torch.optim.Optimiz
 To add an optimizer: one file with its torch class and params model (see lion.py), and its import
 and one line in OPTIMIZERS here. Then regenerate the two files derived from the schema (tests fail
 until you do): `python -m megazero.config schema > configs/megazero.schema.json` and
-`python -m megazero.config readme-table --write README.md`. What the engine may ask of it beyond
+`python -m megazero.config docs-table --write docs/engine.md`. What the engine may ask of it beyond
 torch's Optimizer: megazero.optim.protocol.
 """
 

@@ -1,12 +1,12 @@
 """Same-host shared-memory transport for the pipeline's point-to-point messages on CPU.
 
 Why: on gloo every message is moved by gloo's own `gloo_tcp_loop` thread, which on busy cores
-must wait for one (session 10 measured 10-40% of exchanges stalling 2-5 ms on 2 cores at any
-message size). Here the two main threads move the bytes themselves: the sender copies a message
-into a ring of shared memory and writes a small descriptor (tag, dtype, shape, where) into a FIFO;
-the receiver sleeps in poll() on that FIFO, which the kernel wakes directly, and copies the
-message out. The pipe's write and read order the ring's data before the descriptor (a syscall
-on each side), so no other barrier is needed.
+must wait for one (on 2 busy cores 10-40% of exchanges stall 2-5 ms, at any message size). Here
+the two main threads move the bytes themselves: the sender copies a message into a ring of shared
+memory and writes a small descriptor (tag, dtype, shape, where) into a FIFO; the receiver sleeps
+in poll() on that FIFO, which the kernel wakes directly, and copies the message out. The pipe's
+write and read order the ring's data before the descriptor (a syscall on each side), so no other
+barrier is needed.
 
 One channel per pair of ranks and process group, both directions: for each direction a ring file
 (`ring_bytes`), a data FIFO (descriptors) and a credit FIFO (the receiver's running count of bytes

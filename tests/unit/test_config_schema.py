@@ -1,4 +1,5 @@
-"""The config schema: per-type params, the messages, and the generated files (JSON Schema, README)."""
+"""The config schema: per-type params, the messages, and the generated files (JSON Schema, the key table of
+docs/engine.md)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import sys
 import pytest
 
 from megazero.config import ConfigError, parse_config
-from megazero.config.schema import README_BEGIN, README_END, json_schema, readme_table, schema_text
+from megazero.config.schema import DOCS_BEGIN, DOCS_END, DOCS_PAGE, docs_table, json_schema, schema_text
 from megazero.optim.lr_schedules import SCHEDULERS
 from megazero.optim.registry import OPTIMIZERS
 
@@ -120,13 +121,30 @@ def test_committed_schema_is_current():
         "configs/megazero.schema.json`")
 
 
-def test_readme_key_table_is_current():
-    with open(os.path.join(REPO, "README.md")) as f:
+def test_docs_key_table_is_current():
+    with open(os.path.join(REPO, DOCS_PAGE)) as f:
         text = f.read()
-    start, end = text.find(README_BEGIN), text.find(README_END)
-    assert 0 <= start < end, "README.md lost its config-keys markers"
-    assert text[start:end + len(README_END) + 1] == readme_table(), (
-        "README.md's config-key table is out of date: run `python -m megazero.config readme-table --write README.md`")
+    start, end = text.find(DOCS_BEGIN), text.find(DOCS_END)
+    assert 0 <= start < end, f"{DOCS_PAGE} lost its config-keys markers"
+    assert text[start:end + len(DOCS_END) + 1] == docs_table(), (
+        f"{DOCS_PAGE}'s config-key table is out of date: run "
+        f"`python -m megazero.config docs-table --write {DOCS_PAGE}`")
+
+
+def test_the_nvme_example_offloads_parameters_and_optimizer():
+    """configs/ds_zero3_offload_nvme.json is what its name says: stage 3, both offloads on NVMe."""
+    zero = parse_config(os.path.join(REPO, "configs", "ds_zero3_offload_nvme.json"), 1).zero_optimization
+    assert zero.stage == 3
+    assert zero.offload_param.device == "nvme" and zero.offload_optimizer.device == "nvme"
+
+
+def test_overlap_comm_is_true_at_every_stage():
+    """megazero's default, unlike DeepSpeed's (true at stage 3 only): the key's description and
+    docs/engine.md say why, and stay true to it."""
+    for stage in range(4):
+        assert parse_config({**BASE, "zero_optimization": {"stage": stage}}, 1).zero_optimization.overlap_comm
+    description = json_schema()["$defs"]["ZeroConfig"]["properties"]["overlap_comm"]["description"]
+    assert "DeepSpeed" in description
 
 
 def test_the_command_line_prints_the_schema():
