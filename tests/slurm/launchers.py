@@ -16,11 +16,13 @@ from tests.conftest import REPO, wait_for_data_prep
 
 # every file in scripts/ that `sbatch` or `bash` runs (test_every_launcher_is_tested keeps the two
 # complete): LAUNCHERS train a recipe (TINY_FLAGS), DATA_LAUNCHERS write datasets
-LAUNCHERS = ("pretrain_gpt2.sbatch", "pretrain_gpt2.sh", "pretrain_llama.sh", "pretrain_bert.sh")
+LAUNCHERS = ("pretrain_gpt2.sbatch", "pretrain_gpt2.sh", "pretrain_llama.sbatch", "pretrain_llama.sh",
+             "pretrain_bert.sh")
 DATA_LAUNCHERS = ("preprocess_data.sbatch",)
 # the .sbatch names its log in its header (logs/ is committed); sbatch's default is slurm-<id>.out
 # in the directory sbatch was called from
 DEFAULT_LOG = {"pretrain_gpt2.sbatch": "logs/megazero-gpt2-{job}.out",
+               "pretrain_llama.sbatch": "logs/megazero-llama-{job}.out",
                "pretrain_gpt2.sh": "slurm-{job}.out", "pretrain_llama.sh": "slurm-{job}.out",
                "pretrain_bert.sh": "slurm-{job}.out"}
 # an array job's tasks log one file each: {job} is the array job id, {task} the task id
@@ -33,6 +35,8 @@ TINY_FLAGS = {"pretrain_gpt2.sbatch": (*TINY, "--global-batch-size", "8", "--mic
               "pretrain_gpt2.sh": (*TINY, "--global-batch-size", "8", "--micro-batch-size", "4", "--lr", "0.005"),
               "pretrain_llama.sh": (*TINY, "--num-query-groups", "2", "--ffn-hidden-size", "128",
                                     "--global-batch-size", "8", "--micro-batch-size", "4", "--lr", "0.005"),
+              "pretrain_llama.sbatch": (*TINY, "--num-query-groups", "2", "--ffn-hidden-size", "128",
+                                        "--global-batch-size", "8", "--micro-batch-size", "4", "--lr", "0.005"),
               "pretrain_bert.sh": (*TINY, "--global-batch-size", "16", "--micro-batch-size", "8", "--lr", "0.001")}
 # the launchers' own knobs: a test sets only those it means to, as the README documents them
 LAUNCHER_ENV = ("MEGAZERO_DIR", "PYTHON", "LAUNCHER", "NPROC", "NPROC_PER_NODE", "DATA_PATH", "SAVE_DIR",

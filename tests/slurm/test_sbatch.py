@@ -134,6 +134,27 @@ def test_two_emulated_nodes(tmp_path, submit, launcher):
     assert "2 ranks" in log and "iteration     10/10" in log
 
 
+def test_llama_at_tp2_on_two_nodes_then_resumes_at_dp2(tmp_path, submit):
+    # docs/launchers.md's worked example, with the tiny model: `sbatch --nodes=2 --ntasks-per-node=1
+    # scripts/pretrain_llama.sbatch --tensor-model-parallel-size 2`, one rank per node; then
+    # `sbatch scripts/pretrain_llama.sbatch` (its header: one node, two tasks) continues at DP=2
+    flags = TINY_FLAGS["pretrain_llama.sbatch"]
+    job = submit("pretrain_llama.sbatch", (*flags, "--tensor-model-parallel-size", "2"),
+                 recipe_env(tmp_path, TRAIN_ITERS="10"), ["--nodes=2", "--ntasks-per-node=1"])
+    log = job.assert_completed()
+    assert job.fields()["NodeList"] == "n[1-2]" and "2 task(s), launcher srun, master n1:" in log, log
+    assert re.search(r"Llama: [0-9,]+ parameters, 2 ranks = TP 2 x PP 1 x DP 1, .*2 key/value groups for 4 heads",
+                     log), log
+    assert "iteration     10/10" in log and len(losses(log)) == 2, log
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "global_step10"
+
+    job = submit("pretrain_llama.sbatch", flags, recipe_env(tmp_path, TRAIN_ITERS="15"))
+    log = job.assert_completed()
+    assert job.fields()["NumNodes"] == "1" and "2 ranks = TP 1 x PP 1 x DP 2" in log, log
+    assert "resuming from" in log and "at iteration 10" in log and "iteration     15/15" in log, log
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "global_step15"
+
+
 def test_signal_before_the_time_limit_saves_and_exits_cleanly(tmp_path, submit):
     job = submit("pretrain_gpt2.sbatch", TINY_FLAGS["pretrain_gpt2.sbatch"],
                  recipe_env(tmp_path, TRAIN_ITERS="100000"))
@@ -148,9 +169,10 @@ def test_signal_before_the_time_limit_saves_and_exits_cleanly(tmp_path, submit):
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == f"global_step{saved.group(1)}"
 
 
-@pytest.mark.parametrize("launcher,sbatch_flags,ranks", [("pretrain_gpt2.sh", [], 1), ("pretrain_bert.sh", [], 1),
+@pytest.mark.parametrize("launcher,sbatch_flags,ranks", [("pretrain_gpt2.sh", [], 1), ("pretrain_llama.sh", [], 1),
+                                                         ("pretrain_bert.sh", [], 1),
                                                          ("pretrain_gpt2.sh", ["--ntasks=2"], 2)],
-                         ids=["gpt2", "bert", "gpt2-ntasks2"])
+                         ids=["gpt2", "llama", "bert", "gpt2-ntasks2"])
 def test_sh_launcher_runs_one_rank_per_slurm_task(tmp_path, submit, launcher, sbatch_flags, ranks):
     job = submit(launcher, (*TINY_FLAGS[launcher], "--train-iters", "10"), recipe_env(tmp_path), sbatch_flags)
     log = job.assert_completed()
