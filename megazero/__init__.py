@@ -60,6 +60,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     from megazero.data.loader import DistributedBatchLoader
     from megazero.optim import build_optimizer, build_scheduler
     from megazero.zero import build_data_parallel_state
+    from megazero.zero.model_broadcast import broadcast_model
     from megazero.zero.offload import build_offload
     from megazero.zero.param_offload import make_param_swapper
 
@@ -84,6 +85,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         activation_checkpointing.configure(mpu, **engine_config.activation_checkpointing.model_dump())
     if engine_config.compute_dtype != torch.float32:
         model = model.to(engine_config.compute_dtype)
+    broadcast_model(model, dp_group, grid.expert_dp_group if grid is not None else None)  # one model on every replica
     groups = _param_groups(optimizer, model_parameters, model, engine_config)
     tied = tied_parameters(model)
     param_swap = make_param_swapper(engine_config, model, dp_group)  # stage 3's parameter offload

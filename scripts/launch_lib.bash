@@ -6,7 +6,8 @@
 #                          NPROC_PER_NODE processes per node (default SLURM_NTASKS_PER_NODE, else 1)
 #     with OMP_NUM_THREADS = --cpus-per-task, MASTER_ADDR the first host, MASTER_PORT from the job id;
 #   - anywhere else: torchrun --standalone with NPROC processes (default: the GPUs, else the CPU
-#     cores this process may run on) and OMP_NUM_THREADS=1.
+#     cores this process may run on, at most 2) and OMP_NUM_THREADS=1 (default NPROC on a CPU: the
+#     cores shared among the processes).
 # MAX_RESTARTS (default 0) is torchrun's --max-restarts: when a worker dies, torchrun stops the
 # others and starts them all again, up to that many times; the same command runs again, so the
 # recipe resumes from --load's `latest` (the launchers pass --save and --load the same directory).
@@ -60,10 +61,16 @@ megazero_launch_standalone() {
   local recipe=$1
   shift
   if [ -z "${NPROC:-}" ]; then
-    # the CPUs this process may use (a cgroup or taskset may allow fewer than the machine has)
-    NPROC=$("$PYTHON" -c "import os, torch; print(torch.cuda.device_count() or len(os.sched_getaffinity(0)))")
+    # the GPUs, else the CPUs this process may use (a cgroup or taskset may allow fewer than the machine
+    # has), at most 2: the recipes' configs (a global batch of 2 micro-batches) fit 1 or 2 data-parallel
+    # ranks; on a CPU the cores beyond them become each process's threads
+    local devices cores
+    read -r devices cores < <("$PYTHON" -c "import os, torch; print(torch.cuda.device_count(), len(os.sched_getaffinity(0)))")
+    local available=$(( devices > 0 ? devices : cores ))
+    NPROC=$(( available < 2 ? available : 2 ))
+    [ "$devices" -gt 0 ] || export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cores / NPROC ))}
   fi
-  # one compute thread per process: the processes share the cores
+  # otherwise one compute thread per process: the processes share the cores
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
   echo "launcher torchrun --standalone, $NPROC process(es) on $(hostname), max restarts $MAX_RESTARTS"
   exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" --max-restarts="$MAX_RESTARTS" \

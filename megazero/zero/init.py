@@ -32,6 +32,8 @@ import torch.distributed as dist
 
 from megazero.distributed import training_device
 from megazero.zero.collectives import all_gather_chunks
+from megazero.zero.expert_parallel import is_expert_parameter
+from megazero.zero.model_broadcast import broadcast_from_first_rank
 
 
 def _all_subclasses(cls: type) -> set[type]:
@@ -112,6 +114,8 @@ def _shard_param(p: torch.nn.Parameter, group, device: torch.device | None = Non
     if hasattr(p, "_megazero_init_chunk") or hasattr(p, "_megazero_init_swap"):
         return
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if not is_expert_parameter(p):  # every rank keeps its slice of the same parameter: rank 0's
+        broadcast_from_first_rank([p.data], group if group is not None else dist.group.WORLD)
     device = p.device if device is None else device
     chunk = -(-p.numel() // world)
     # only this rank's slice is copied: no padded copy of the whole parameter, even for a moment

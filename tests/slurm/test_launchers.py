@@ -76,3 +76,20 @@ def test_bash_runs_the_data_launcher_on_this_machine(tmp_path):
     assert written == one_preprocess_run(inputs, str(tmp_path / "one" / "corpus"), prefix + "_tokenizer.model")
     assert sorted(os.listdir(tmp_path / "out")) == sorted(f"corpus{suffix}" for suffix in
                                                           [*written, "_tokenizer.model", "_tokenizer.vocab"])
+
+
+@pytest.mark.parametrize("devices,cores,nproc,threads", [(0, 1, 1, "1"), (0, 2, 2, "1"), (0, 16, 2, "8"),
+                                                         (1, 16, 1, None), (8, 64, 2, None)])
+def test_default_nproc_fits_the_recipes_batch(tmp_path, devices, cores, nproc, threads):
+    # the recipes' configs (a global batch of two micro-batches) fit at most 2 data-parallel ranks: the
+    # default NPROC is the GPUs or cores up to 2, the remaining CPU cores becoming threads. A stand-in
+    # PYTHON reports the machine and prints the torchrun command it is handed.
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/usr/bin/env bash\nif [ \"$1\" = -c ]; then echo {devices} {cores}; exit 0; fi\n"
+                    "echo \"ARGS $* OMP=${OMP_NUM_THREADS:-unset}\"\n")
+    fake.chmod(0o755)
+    env = user_env({"PYTHON": str(fake)}, outside_slurm=True)
+    out = subprocess.run(["bash", "-c", "source scripts/launch_lib.bash; megazero_launch scripts/pretrain_gpt.py"],
+                         cwd=REPO, env=env, capture_output=True, text=True, check=True).stdout
+    assert f"--nproc_per_node={nproc} " in out, out
+    assert f"OMP={threads or '1'}" in out, out
