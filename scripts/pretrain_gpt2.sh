@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPT-2 recipe on one machine or in a Slurm allocation:
-#   bash scripts/pretrain_gpt2.sh [flags]     torchrun --standalone, one process per GPU or CPU core
+#   bash scripts/pretrain_gpt2.sh [flags]     torchrun --standalone, up to 2 processes (GPUs, else CPU cores)
 #   sbatch scripts/pretrain_gpt2.sh [flags]   one rank per Slurm task (srun); e.g. sbatch --ntasks=2
 # Run both from the repository root; sbatch writes the log to slurm-<job id>.out there.
 # Extra flags go to scripts/pretrain_gpt.py (e.g. --train-iters 1000 --bf16).

@@ -272,3 +272,22 @@ def test_an_unknown_config_key_is_found():
     assert key_in_schema("zero_optimization.offload_param.device")
     assert key_in_schema("optimizer.params.lr")
     assert not key_in_schema("zero_optimization.no_such_key")
+
+
+def anchors(page: str) -> set[str]:
+    """GitHub's anchors for a page's headings: lower case, punctuation dropped, spaces as hyphens."""
+    headings = re.findall(r"^#+\s+(.*)$", FENCE.sub("", read(page)), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_link_anchors_exist():
+    broken = []
+    for page in PAGES:
+        for target in LINK.findall(FENCE.sub("", read(page))):
+            if "#" not in target or re.match(r"^[a-z]+:", target):
+                continue
+            path, anchor = target.split("#", 1)
+            linked = os.path.normpath(os.path.join(os.path.dirname(page), path)) if path else page
+            if linked.endswith(".md") and os.path.exists(os.path.join(REPO, linked)) and anchor not in anchors(linked):
+                broken.append(f"{page}: ({target})")
+    assert not broken, "links to headings that do not exist:\n" + "\n".join(broken)
