@@ -15,7 +15,7 @@ BERT_STAMP := $(BERT_PREFIX)_train_text_sentence.idx
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install data data-bert pretrain-gpt2 pretrain-llama pretrain-bert test test-fast lint bench check-cuda check-gpu gpu-wheels clean
+.PHONY: install data data-bert pretrain-gpt2 pretrain-llama pretrain-bert test test-fast lint bench docs check-cuda check-gpu gpu-wheels clean
 
 install: $(INSTALL_STAMP)
 
@@ -67,7 +67,9 @@ test-fast: install
 lint: install
 	$(BIN)/ruff check megazero models scripts tests benchmarks
 
-# DeepSpeed on CPU: its CPU accelerator and gloo (its ops JIT-build on first use, 1-2 minutes, cached)
+# DeepSpeed on CPU: its CPU accelerator and gloo (its ops JIT-build on first use, 1-2 minutes, cached).
+# Each benchmark writes benchmarks/results/<name>.json (committed: the latest run); docs/benchmarks.md
+# is generated from them at the end (`make docs`).
 bench: install data $(BENCH_STAMP)
 	DS_ACCELERATOR=cpu $(BIN)/python benchmarks/bench_zero.py $(ARGS)
 	$(BIN)/python benchmarks/bench_collectives.py
@@ -76,6 +78,11 @@ bench: install data $(BENCH_STAMP)
 	DS_ACCELERATOR=cpu $(BIN)/python benchmarks/bench_cpu_adam.py
 	$(BIN)/python benchmarks/bench_watchdog.py
 	$(BIN)/python benchmarks/bench_moe.py
+	$(BIN)/python -m benchmarks.report
+
+# docs/benchmarks.md from benchmarks/results/*.json (tests/unit/test_benchmark_report.py checks it is current)
+docs: install
+	$(BIN)/python -m benchmarks.report
 
 # Compile the CUDA ops against a CUDA build of torch in a separate venv (not part of `make test`);
 # on a machine with a GPU it then runs their tests and benchmarks/gpu_ops.py.
@@ -116,5 +123,6 @@ check-gpu:
 			--target /tmp/megazero-site .whl/*.whl; fi
 	PYTHONPATH=/tmp/megazero-site:$$PYTHONPATH PYTHONUNBUFFERED=1 $(GPU_PYTHON) scripts/check_gpu.py $(ARGS)
 
+# benchmarks/results/ is committed (docs/benchmarks.md is generated from it): clean leaves it
 clean:
-	rm -rf checkpoints runs wandb benchmarks/results .pytest_cache
+	rm -rf checkpoints runs wandb .pytest_cache

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
 import time
@@ -22,6 +21,11 @@ import torch
 from megazero.profiling.memory import ActivationMeter
 from models.gpt import GPT, GPTConfig
 from models.parallelize import apply_recompute
+
+try:
+    from benchmarks.record import write_result
+except ModuleNotFoundError:  # run as a script: its directory is on sys.path
+    from record import write_result
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -78,10 +82,7 @@ def main() -> None:
         for name, row in rows.items():
             print(f"{name:<11}{row['activation_mb']:>16.1f}{row['memory_vs_none']:>9.3f}{row['step_s']:>11.3f}"
                   f"{row['time_vs_none']:>9.3f}{str(row['grads_equal_none']):>15}")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"benchmark": "activations", "micro_batch": args.micro_batch, "results": results}, f, indent=1)
-    print(f"wrote {args.out}")
+    write_result("activations", {"micro_batch": args.micro_batch, "results": results}, args=args, out=args.out)
 
 
 if __name__ == "__main__":

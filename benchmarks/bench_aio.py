@@ -16,7 +16,6 @@ writes benchmarks/results/aio.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -27,6 +26,11 @@ import time
 import torch
 
 from megazero.ops.aio import AsyncIO, aio_op, aligned_empty
+
+try:
+    from benchmarks.record import write_result
+except ModuleNotFoundError:  # run as a script: its directory is on sys.path
+    from record import write_result
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 1 << 20
@@ -203,12 +207,9 @@ def main(argv=None) -> dict:
             r["write_vs_dd"], r["read_vs_dd"] = r["write_GBps"] / dd["write_GBps"], r["read_GBps"] / dd["read_GBps"]
         ratios = f"{r['write_vs_dd']:>10.2f}{r['read_vs_dd']:>9.2f}" if dd else f"{'':>19}"
         print(f"{name:<34}{r['write_GBps']:>11.2f}{r['read_GBps']:>11.2f}{ratios}  {r.get('backend', '')}")
-    report = {"benchmark": "aio", "dir": args.dir, "filesystem": fs, "size_bytes": nbytes, "trials": args.trials,
+    report = {"dir": args.dir, "filesystem": fs, "size_bytes": nbytes, "trials": args.trials,
               "page_cache": PAGE_CACHE_NOTE, "results": results}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"wrote {args.out}")
+    write_result("aio", report, args=args, argv=argv, out=args.out)
     return report
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import socket
 import statistics
@@ -23,6 +22,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megazero.zero.collectives import all_gather_chunks, reduce_scatter_chunks
+
+try:
+    from benchmarks.record import write_result
+except ModuleNotFoundError:  # run as a script: its directory is on sys.path
+    from record import write_result
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -86,10 +90,7 @@ def main() -> None:
     for name, row in rows.items():
         extra = f"{row['vs native']:.2f}x native" if "vs native" in row else ""
         print(f"{name:<46}{row['ms']:>8.1f}  {extra}")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"benchmark": "collectives", "mib": args.mib, "rows": rows}, f, indent=1)
-    print(f"wrote {args.out}")
+    write_result("collectives", {"mib": args.mib, "rows": rows}, args=args, out=args.out)
 
 
 if __name__ == "__main__":

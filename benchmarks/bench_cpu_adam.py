@@ -30,6 +30,11 @@ import torch
 
 from megazero.ops.cpu_optimizers import FusedCPUAdam, cpu_optimizers_op, grad_norm_squared
 
+try:
+    from benchmarks.record import write_result
+except ModuleNotFoundError:  # run as a script: its directory is on sys.path
+    from record import write_result
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 BYTES = {"axpy": 12, "megazero fp32 Adam": 28, "torch fused AdamW": 28, "megazero bf16 phase": 34,
@@ -176,11 +181,8 @@ def main() -> None:
         for name, row in rows.items():
             extra = ", ".join(f"{k} {v:.2f}x" for k, v in row.items() if k.startswith("vs "))
             print(f"{name:<30}{row['ms']:>9.1f}{row['GB/s']:>8.1f}{row['of_bandwidth']:>8.2f}  {extra}")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"benchmark": "cpu_adam", "params": n, "isa": cpu_optimizers_op().isa(), "results": results},
-                  f, indent=1)
-    print(f"wrote {args.out}")
+    write_result("cpu_adam", {"params": n, "isa": cpu_optimizers_op().isa(), "results": results}, args=args,
+                 out=args.out)
 
 
 if __name__ == "__main__":

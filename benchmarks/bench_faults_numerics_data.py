@@ -16,7 +16,6 @@ Writes benchmarks/results/faults_numerics_data.json and prints a table.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import shutil
@@ -32,8 +31,15 @@ import torch
 from megazero.data import DatasetFormatError, IndexedDataset, check_token_ids, write_indexed_dataset
 from megazero.numerics import loss_guard
 
+try:
+    from benchmarks.record import write_result
+except ModuleNotFoundError:  # run as a script: its directory is on sys.path
+    from record import write_result
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+if REPO not in sys.path:  # the trials reuse the test suite's helpers (tests/)
+    sys.path.insert(0, REPO)
 CORPUS = os.path.join(REPO, "data", "gpt2", "shakespeare")
 LIMIT = 3
 
@@ -242,9 +248,7 @@ def main() -> None:
     if "torchrun" in parts:
         rows.append(torchrun_trials(max(1, args.trials // 2), tokens))
     result["rows"] = rows
-    os.makedirs(os.path.join(REPO, "benchmarks", "results"), exist_ok=True)
-    with open(os.path.join(REPO, "benchmarks", "results", "faults_numerics_data.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    write_result("faults_numerics_data", result, args=args)
     print("| fault | ranks | trials | survived | fault to stop (s) | lost |\n|---|---|---|---|---|---|")
     for r in rows:
         seconds = f"{r['fault_to_stop_s']:.3g}" if r["fault_to_stop_s"] is not None else "-"

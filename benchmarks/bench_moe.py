@@ -39,6 +39,11 @@ from models.common import count_active_parameters, count_parameters
 from models.gpt import GPT, GPTConfig
 from models.parallelize import parallelize
 
+try:
+    from benchmarks.record import write_result
+except ModuleNotFoundError:  # run as a script: its directory is on sys.path
+    from record import write_result
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS = ("moe_ep2", "dense")  # the MoE GPT at EP=2 on DP=2; the dense GPT of its active parameters at DP=2
 GLOBAL_BATCH, MICRO_BATCH = 8, 4
@@ -209,11 +214,8 @@ def main(argv=None) -> dict:
     for kind, shares in moe["all_to_all_share"].items():
         print(f"all-to-all {kind} (forward + backward) share of the MoE step, per rank: "
               + " ".join(f"{s:.3f}" for s in shares))
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"benchmark": "moe", "quick": args.quick, "train_seconds": args.train_seconds, "rows": rows}, f,
-                  indent=1)
-    print(f"wrote {args.out}")
+    write_result("moe", {"quick": args.quick, "train_seconds": args.train_seconds, "rows": rows}, args=args,
+                 argv=argv, out=args.out)
     return rows
 
 

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import logging
 import os
 import resource
@@ -60,6 +59,11 @@ sys.path.insert(0, REPO)
 import megazero  # noqa: E402
 from megazero.data import GPTDataset, IndexedDataset  # noqa: E402
 from models.gpt import GPT, GPTConfig  # noqa: E402
+
+try:
+    from benchmarks.record import write_result
+except ModuleNotFoundError:  # run as a script: its directory is on sys.path
+    from record import write_result
 
 STAGES = (1, 2, 3)
 # --param-offload: stage 3's rows, by what is offloaded
@@ -281,8 +285,8 @@ def main(argv=None) -> None:
                 sweep += [{"tokens_per_step": tokens, "by": way, "micro_batch": micro,
                            "accumulation": accumulation, **r} for r in rows]
         _print_sweep(sweep)
-        with open(args.out.replace(".json", "_sweep.json"), "w") as f:
-            json.dump({"rows": sweep, "load_average": os.getloadavg(), "args": vars(args)}, f, indent=2)
+        out = args.out.replace(".json", "_sweep.json")
+        write_result(os.path.basename(out)[:-5], {"rows": sweep}, args=args, argv=argv, out=out)
     dist.destroy_process_group()
 
 
@@ -360,10 +364,8 @@ def _cost(args, micro_batch: int, accumulation: int, out: str, full: bool) -> li
         print(f"op alone on the swap files: read {alone['read']:.2f} GB/s, write {alone['write']:.2f} GB/s; "
               f"dd direct I/O: read {dd['read'] or float('nan'):.2f} GB/s, "
               f"write {dd['write'] or float('nan'):.2f} GB/s")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump({"num_params": psi, "rows": rows, "op_alone": alone, "dd": dd, "load_average": load,
-                   "args": vars(args)}, f, indent=2)
+    write_result(os.path.basename(out)[:-5], {"num_params": psi, "rows": rows, "op_alone": alone, "dd": dd},
+                 args=args, out=out)
     for engine, _ in engines.values():
         if hasattr(engine.dp, "close"):
             engine.dp.close()
@@ -397,10 +399,8 @@ def _param_offload(args) -> None:
         _print_param_breakdown(result["breakdown"])
     suffix = "" if args.dp == 1 else f"_dp{args.dp}"
     out = args.out.replace("offload.json", f"param_offload{suffix}.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump({"num_params": result["num_params"], "rows": rows, "breakdown": result.get("breakdown"),
-                   "load_average": load, "args": vars(args)}, f, indent=2)
+    write_result(os.path.basename(out)[:-5], {"num_params": result["num_params"], "rows": rows,
+                                              "breakdown": result.get("breakdown")}, args=args, out=out)
     if args.dp == 1:
         dist.destroy_process_group()
 
@@ -605,9 +605,7 @@ def _param_memory(args) -> None:
               f" partitions given memory of their own (every buffer in use): "
               f"{', '.join(str(r['pool_overflows']) for r in pooled)}")
     out = args.out.replace("offload.json", "param_offload_memory.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump({"rows": rows, "load_average": load, "args": vars(args)}, f, indent=2)
+    write_result(os.path.basename(out)[:-5], {"rows": rows}, args=args, out=out)
 
 
 # ---- --deepspeed: megazero against DeepSpeed, DP=2 -------------------------------------------------
@@ -748,10 +746,8 @@ def _deepspeed(args) -> None:
     for kind, error in result["errors"].items():
         print(f"{kind} could not run: {error}")
     out = args.out.replace("offload.json", "offload_deepspeed.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump({"deepspeed": version, "device": device, "why_not_nvme": why, "rows": rows,
-                   "errors": result["errors"], "load_average": load, "args": vars(args)}, f, indent=2)
+    write_result(os.path.basename(out)[:-5], {"deepspeed": version, "device": device, "why_not_nvme": why,
+                                              "rows": rows, "errors": result["errors"]}, args=args, out=out)
 
 
 if __name__ == "__main__":

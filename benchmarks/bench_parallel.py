@@ -44,6 +44,11 @@ from megazero.data import GPTDataset, IndexedDataset
 from megazero.pipeline import bubble_fraction, interleaved_bubble_fraction
 from models.gpt import GPTConfig
 from models.llama import LlamaConfig
+
+try:
+    from benchmarks.record import write_result
+except ModuleNotFoundError:  # run as a script: its directory is on sys.path
+    from record import write_result
 from models.parallelize import parallelize
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -252,10 +257,7 @@ def main() -> None:
         if "ratio_to_gpt_" + str(peer) in row:
             print(f"Llama / GPT tokens/s at {peer.upper()}: {row['ratio_to_gpt_' + peer]:.3f} (median of per-trial "
                   f"ratios; first losses {row['first_loss']:.4f} vs {rows[peer]['first_loss']:.4f})")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"benchmark": "parallel", "rows": rows}, f, indent=1)
-    print(f"wrote {args.out}")
+    write_result("parallel", {"rows": rows}, args=args, out=args.out)
 
 
 def bubbles_main(args) -> None:
@@ -308,10 +310,7 @@ def bubbles_main(args) -> None:
     print("blocked in p2p: time in the pipeline's exchanges / schedule time (mean over ranks); not computing: "
           "1 - (forward + backward) / schedule time")
     out = args.out or os.path.join(REPO, "benchmarks", "results", f"parallel_bubbles_pp{world}.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump({"benchmark": "parallel_bubbles", "world": world, "rows": rows}, f, indent=1)
-    print(f"wrote {out}")
+    write_result(f"parallel_bubbles_pp{world}", {"world": world, "rows": rows}, args=args, out=out)
 
 
 if __name__ == "__main__":

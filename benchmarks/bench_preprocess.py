@@ -20,6 +20,11 @@ import sys
 import tempfile
 import time
 
+try:
+    from benchmarks.record import write_result
+except ModuleNotFoundError:  # run as a script: its directory is on sys.path
+    from record import write_result
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MEASURE = """
 import resource, subprocess, sys, time
@@ -105,10 +110,7 @@ def main() -> None:
         print(f"{r['input_mb']:>9.0f}M{r['workers']:>9}{r['seconds']:>10.1f}{r['mb_per_s']:>8.2f}{r['peak_rss_mb']:>13.0f}")
     print(f"2 workers / 1: x{result['speedup_2_workers']:.2f}; peak RSS {2 * args.size_mb:.0f} MB / "
           f"{args.size_mb:.0f} MB input: x{result['rss_growth_1x_to_2x']:.2f}")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {args.out}")
+    write_result("preprocess", result, args=args, out=args.out)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ what the hot path adds per step. Writes benchmarks/results/watchdog.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -27,6 +26,11 @@ from megazero.config import WatchdogConfig
 from megazero.data import GPTDataset, IndexedDataset
 from models.gpt import GPTConfig
 from models.parallelize import parallelize
+
+try:
+    from benchmarks.record import write_result
+except ModuleNotFoundError:  # run as a script: its directory is on sys.path
+    from record import write_result
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,7 +48,7 @@ def mark_cost(repeats: int = 200_000) -> float:
 
 
 def worker(rank: int, world: int, port: int, args, queue) -> None:
-    from benchmarks.bench_zero import init_process
+    from bench_zero import init_process
 
     init_process(rank, world, port)
     model_config = GPTConfig.from_json(os.path.join(REPO, "configs", "gpt2_cpu.json"), vocab_size=8000)
@@ -116,11 +120,8 @@ def main() -> None:
         print(f"{name:<8}{row['tokens_per_s_off']:>14,.0f}{row['tokens_per_s_on']:>13,.0f}"
               f"{row['ratio_on_to_off']:>8.3f}{row['marked_ops_per_step']:>12.1f}"
               f"{100 * row['mark_bound_fraction']:>16.4f}%")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"mark_s": result["mark_s"], "timeout_s": TIMEOUT, "steps": args.steps, "trials": args.trials,
-                   "stages": rows}, f, indent=2)
-    print(f"wrote {args.out}")
+    write_result("watchdog", {"mark_s": result["mark_s"], "timeout_s": TIMEOUT, "steps": args.steps,
+                              "trials": args.trials, "stages": rows}, args=args, out=args.out)
 
 
 if __name__ == "__main__":

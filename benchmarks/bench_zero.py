@@ -52,6 +52,11 @@ from megazero.profiling.memory import tensor_bytes  # noqa: E402
 from megazero.zero.collectives import uses_native_collectives  # noqa: E402
 from models.gpt import GPT, GPTConfig  # noqa: E402
 
+try:
+    from benchmarks.record import write_result
+except ModuleNotFoundError:  # run as a script: its directory is on sys.path
+    from record import write_result
+
 TORCH_CONFIGS = ["ddp", "fsdp2"]
 MEGAZERO_CONFIGS = ["zero0", "zero1", "zero2", "zero3"]
 DEEPSPEED_CONFIGS = ["ds0", "ds1", "ds2", "ds3"]
@@ -357,12 +362,9 @@ def main() -> None:
     print_table(rows, args.configs)
     verdict = loss_verdict(rows, args.configs, steps)
     print(verdict)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"benchmark": "zero", "precision": args.precision, "dropout": args.dropout,
-                   "params": result["params"], "deepspeed": args.deepspeed, "collectives": collectives,
-                   "losses": verdict, "rows": rows}, f, indent=1)
-    print(f"wrote {args.out}")
+    write_result("zero", {"precision": args.precision, "dropout": args.dropout, "params": result["params"],
+                          "deepspeed": args.deepspeed, "collectives": collectives, "losses": verdict,
+                          "rows": rows}, args=args, out=args.out)
 
 
 if __name__ == "__main__":

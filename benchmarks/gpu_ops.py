@@ -14,7 +14,6 @@ benchmarks/results/gpu_ops.json (or --json). Exits with a message where there is
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -23,6 +22,11 @@ import torch.nn.functional as F
 
 from megazero.ops import cuda_ops
 from megazero.ops.cpu_optimizers import FusedCPULamb
+
+try:
+    from benchmarks.record import write_result
+except ModuleNotFoundError:  # run as a script: its directory is on sys.path
+    from record import write_result
 
 HIDDEN, HEADS, SEQ, MICRO, LAYERS, VOCAB = 1600, 25, 1024, 8, 48, 50304  # GPT-2 XL (vocab padded)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -200,11 +204,8 @@ def main(argv=None) -> int:
     optimizer_rows(table, layers)
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e9:.0f} GB/s")
     table.print()
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "bandwidth": bandwidth, "optimizer_layers": layers,
-                   "rows": table.rows}, f, indent=1)
-    print(f"wrote {args.json}")
+    write_result("gpu_ops", {"device": torch.cuda.get_device_name(), "bandwidth": bandwidth, "optimizer_layers": layers,
+                             "rows": table.rows}, args=args, argv=argv, out=args.json)
     return 0 if all(r["correct"] for r in table.rows.values()) else 1
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import resource
 import socket
@@ -37,6 +36,11 @@ import torch.multiprocessing as mp
 import megazero
 from megazero.profiling import estimate_zero_memory
 from models.gpt import GPT, GPTConfig
+
+try:
+    from benchmarks.record import write_result
+except ModuleNotFoundError:  # run as a script: its directory is on sys.path
+    from record import write_result
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -228,10 +232,8 @@ def main() -> None:
         row["x_zero3"] = row["params"] / rows["zero3"]["params"] if rows.get("zero3", {}).get("params") else None
     print(f"largest trainable GPT at DP=2, {args.rank_memory_gib} GiB per rank: " + ", ".join(
         f"{kind} {'>= ' if r['capped'] else ''}{r['params'] / 1e6:,.0f} M" for kind, r in rows.items()))
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"benchmark": "largest_model", "rank_memory_gib": args.rank_memory_gib, "hidden": args.hidden,
-                   "rows": rows}, f, indent=1)
+    write_result("largest_model", {"rank_memory_gib": args.rank_memory_gib, "hidden": args.hidden, "rows": rows},
+                 args=args, out=args.out)
 
 
 if __name__ == "__main__":
