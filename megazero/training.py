@@ -649,7 +649,10 @@ def train(args: argparse.Namespace, model: torch.nn.Module, train_data, *, grid,
     except ConfigError as e:  # one line naming the file and the key, not a traceback per rank
         raise SystemExit(f"[megazero] rank {rank}: engine config {args.megazero_config} (with the recipe's flags "
                          f"applied): {e}") from None
-    if args.load:
+    if args.load and not os.path.exists(os.path.join(args.load, "latest")):  # a first run: one plain line
+        if rank == 0:
+            print(f"no checkpoint in {args.load} yet: starting from scratch", flush=True)
+    elif args.load:
         path, _ = engine.load_checkpoint(args.load, fallback=getattr(args, "load_fallback", False))
         if path and rank == 0:
             print(f"resumed from {path} at iteration {engine.global_steps}", flush=True)

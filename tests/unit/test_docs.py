@@ -44,7 +44,7 @@ MAKE_RECIPE = {"pretrain-gpt2": "scripts/pretrain_gpt.py", "pretrain-llama": "sc
                "pretrain-bert": "scripts/pretrain_bert.py"}
 
 FENCE = re.compile(r"^```([\w-]*)\n(.*?)^```", re.S | re.M)
-INLINE = re.compile(r"`([^`\n]+)`")
+INLINE = re.compile(r"`([^`]+)`")  # a span may wrap onto the next line
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 PATH_TOKEN = re.compile(r"(?<![\w./-])((?:\.ci|megazero|models|scripts|configs|docs|tests|benchmarks|ci)/[\w./*<>-]*)")
 COMMAND = re.compile(r"((?:scripts|benchmarks)/[\w-]+\.(?:py|sh|sbatch))([^|;&#>`]*)")
@@ -62,7 +62,7 @@ def split_code(text: str) -> tuple[list[tuple[str, str]], list[str]]:
     """The page's fenced blocks as (language, body, continuation lines joined) and its inline code spans."""
     blocks = [(lang, m.replace("\\\n", " ")) for lang, m in FENCE.findall(text)]
     prose = FENCE.sub("", text)
-    return blocks, INLINE.findall(prose)
+    return blocks, [" ".join(span.split()) for span in INLINE.findall(prose) if "\n\n" not in span]
 
 
 def code_texts(page: str) -> list[str]:
