@@ -16,20 +16,10 @@ import platform
 import shlex
 import sys
 
+from megazero.profiling.throughput import cpu_model
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(REPO, "benchmarks", "results")
-
-
-def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo on Linux), else what platform reports."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def memory_gib() -> float | None:

@@ -243,7 +243,7 @@ def test_every_docs_page_is_linked_from_the_readme():
 
 
 def test_no_history_in_the_manual():
-    history = re.compile(r"\bsessions? \d+|before the change|not committed", re.I)
+    history = re.compile(r"\bsessions?\s\d+|before\sthe\schange|not\scommitted", re.I)
     found = [f"{page}: {line.strip()[:120]}" for page in PAGES for line in read(page).splitlines()
              if history.search(line)]
     assert not found, "the manual tells history (it belongs in CHANGELOG.md):\n" + "\n".join(found)
