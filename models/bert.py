@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from megazero import tensor_parallel as tp
 from megazero.tensor_parallel import invariant_dropout as keyed
-from megazero.tensor_parallel.random import get_rng_tracker
+from megazero.tensor_parallel.random import get_rng_tracker, layer_stream
 from megazero.tensor_parallel.utils import set_tensor_parallel_attributes
 from models.common import ModelConfig, StageContract, check_tp_group, normal_init, seeded, vocabulary_init
 
@@ -223,7 +223,8 @@ class Bert(StageContract, nn.Module):
         (this rank's slice of the sequence under sequence parallelism)."""
         x = self.embed(input_ids, token_type_ids) if self.pre_process else hidden_states
         attend = padding_mask.bool()[:, None, None, :]  # every query sees the real tokens
-        for block in self.blocks:
+        for layer, block in zip(self.layers, self.blocks):
+            layer_stream(layer)  # the layer's dropout masks, whichever stage runs it
             x = block(x, attend)
         return x
 

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from megazero import tensor_parallel as tp
 from megazero.moe import MoELayer, attached_aux_loss
 from megazero.tensor_parallel import invariant_dropout as keyed
-from megazero.tensor_parallel.random import get_rng_tracker
+from megazero.tensor_parallel.random import get_rng_tracker, layer_stream
 from models.common import (
     ModelConfig,
     StageContract,
@@ -338,7 +338,8 @@ class Llama(StageContract, CausalLMGeneration, nn.Module):
                 x = block(x, cache)
             return self.head(x, labels) if self.post_process else x
         x = self.embed(input_ids) if self.pre_process else hidden_states
-        for block in self.blocks:
+        for layer, block in zip(self.layers, self.blocks):
+            layer_stream(layer)  # the layer's dropout masks, whichever stage runs it
             x = block(x)
         if not self.post_process:
             return x
