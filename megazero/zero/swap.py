@@ -73,11 +73,17 @@ class SwapDirectory:
         os.makedirs(self.root, exist_ok=True)
         remove_stale_runs(self.root)
         self.path = os.path.join(self.root, run_id, f"rank{rank}")
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        try:
-            os.mkdir(self.path)
-        except FileExistsError:
-            raise FileExistsError(f"swap directory {self.path} exists already: run id {run_id!r} is not new") from None
+        for attempt in range(10):
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            try:
+                os.mkdir(self.path)
+                break
+            except FileExistsError:
+                raise FileExistsError(f"swap directory {self.path} exists already: run id {run_id!r} is not "
+                                      f"new") from None
+            except FileNotFoundError:  # another rank removed the run's directory while it looked empty
+                if attempt == 9:
+                    raise
         with open(os.path.join(self.path, OWNER_FILE), "w") as f:
             json.dump({"run_id": run_id, "rank": rank, "host": socket.gethostname(), "pid": os.getpid()}, f)
         self._finalizer = weakref.finalize(self, _remove, self.path)
