@@ -154,7 +154,9 @@ def ordered_map(fn: Callable, items: Iterable, workers: int, initializer: Callab
         initializer(*initargs)
         yield from map(fn, items)
         return
-    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    # never fork this process: it may hold threads (torch's, a logger's) whose locks a forked child
+    # would inherit taken; forkserver's workers come from a clean single-threaded server
+    method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
     with multiprocessing.get_context(method).Pool(workers, _worker_init, (initializer, initargs)) as pool:
         pending: collections.deque = collections.deque()
         for item in items:
