@@ -11,7 +11,6 @@ each storage once: megazero.profiling.memory.ActivationMeter). Writes benchmarks
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import statistics
 import time
@@ -20,7 +19,6 @@ import torch
 
 from megazero.profiling.memory import ActivationMeter
 from models.gpt import GPT, GPTConfig
-from models.parallelize import apply_recompute
 
 try:
     from benchmarks.record import write_result
@@ -35,14 +33,11 @@ MODES = {"none": None, "selective": "selective", "full": "full"}
 def measure(args, dropout: float) -> dict:
     """Activation bytes, step times and gradient equality of the three modes at one dropout rate."""
     config = GPTConfig.from_json(os.path.join(REPO, "configs", "gpt2_cpu.json"), vocab_size=8000, dropout=dropout)
-    torch.manual_seed(0)
-    base = GPT(config)
     models = {}
     for name, granularity in MODES.items():
-        model = copy.deepcopy(base)
-        model.config = GPTConfig(**{**config.to_dict(), "recompute_granularity": granularity})
-        apply_recompute(model, model.config)
-        models[name] = model
+        torch.manual_seed(0)  # the same weights in every mode
+        models[name] = GPT(GPTConfig(**{**config.to_dict(), "recompute_granularity": granularity}),
+                           speed_options=True)
     ids = torch.randint(0, config.vocab_size, (args.micro_batch, config.seq_length + 1),
                         generator=torch.Generator().manual_seed(1))
     times = {name: [] for name in models}
@@ -59,7 +54,7 @@ def measure(args, dropout: float) -> dict:
                 times[name].append(time.perf_counter() - start)
             kept[name] = meter.bytes
             grads[name] = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-    print(f"recipe GPT ({sum(p.numel() for p in base.parameters()) / 1e6:.1f}M params), micro-batch "
+    print(f"recipe GPT ({sum(p.numel() for p in models['none'].parameters()) / 1e6:.1f}M params), micro-batch "
           f"{args.micro_batch} x {config.seq_length}, fp32, 1 thread, {args.trials} alternating trials")
     return {name: {"activation_mb": kept[name] / 2 ** 20, "step_s": statistics.median(times[name]),
                    "time_vs_none": statistics.median(t / n for t, n in zip(times[name], times["none"])),

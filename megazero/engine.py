@@ -68,6 +68,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0
+        self._accumulation_origin = 0  # micro_steps when the accumulation steps last changed (set_train_batch_size)
         self.skipped_steps = 0
         # skipped steps whose gradients were inf/nan with no dynamic loss scale to blame (fp32, bf16,
         # static fp16): a diverging run, not a loss-scale search; reported, never skipped silently
@@ -130,14 +131,34 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         set_gradient_accumulation_boundary)."""
         if self._boundary_override is not None:
             return self._boundary_override
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+        return (self.micro_steps - self._accumulation_origin + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """DeepSpeed's: the global batch of the steps that follow, through the gradient accumulation
+        steps (the micro-batch and data-parallel sizes stay); between optimizer steps only. A batch
+        ramp-up (Megatron's --rampup-batch-size) calls it before each step. A schedule counting samples
+        (MegatronLR's samples_per_step) follows it."""
+        per_micro_step = self.train_micro_batch_size_per_gpu() * self.dp_world_size
+        if train_batch_size < per_micro_step or train_batch_size % per_micro_step:
+            raise ValueError(f"train_batch_size {train_batch_size} is not a multiple of micro-batch "
+                             f"{self.train_micro_batch_size_per_gpu()} x data-parallel size {self.dp_world_size}")
+        if (self.micro_steps - self._accumulation_origin) % self.gradient_accumulation_steps():
+            raise RuntimeError("set_train_batch_size inside an optimizer step (after a micro-step's step() that did "
+                               "not update the weights): call it between steps")
+        if train_batch_size == self.train_batch_size():
+            return
+        self.config = self.config.model_copy(update={"train_batch_size": train_batch_size,
+                                                     "gradient_accumulation_steps": train_batch_size // per_micro_step})
+        self._accumulation_origin = self.micro_steps
+        if hasattr(self.lr_scheduler, "samples_per_step"):
+            self.lr_scheduler.samples_per_step = train_batch_size
 
     # ---- the training step -------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
         """Run the wrapped model (profiling its FLOPs on the configured step)."""
         profile = self.config.flops_profiler
         profiling = (profile.enabled and self.global_steps + 1 == profile.profile_step
-                     and self.micro_steps % self.gradient_accumulation_steps() == 0)
+                     and (self.micro_steps - self._accumulation_origin) % self.gradient_accumulation_steps() == 0)
         if profiling:
             from megazero.profiling.flops_profiler import FlopsProfiler
 

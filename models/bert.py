@@ -8,14 +8,14 @@ pipeline stage (chosen for each rank by models/parallelize.py). Post-LayerNorm (
 BERT) or pre-LayerNorm blocks. Sequence parallelism (LayerNorm, dropout and residual activations
 split along the sequence over the TP ranks) as in models/gpt.py.
 
-Bert(config) is the plain model, without recomputation: models/parallelize.py applies the
-config's `recompute_granularity` (full: whole layers, the first `recompute_num_layers` of each
-stage; selective: the attention core), as for GPT. BERT has no fused kernels.
+Bert(config) is the plain model, without recomputation; Bert(config, speed_options=True), what
+models/parallelize.py builds, runs the config's `recompute_granularity` (full: whole layers, the
+first `recompute_num_layers` of each stage; selective: the attention core), as GPT. BERT has no
+fused kernels.
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -25,9 +25,20 @@ import torch.nn.functional as F
 
 from megazero import tensor_parallel as tp
 from megazero.tensor_parallel import invariant_dropout as keyed
-from megazero.tensor_parallel.random import get_rng_tracker, layer_stream
+from megazero.tensor_parallel.random import layer_stream
 from megazero.tensor_parallel.utils import set_tensor_parallel_attributes
-from models.common import ModelConfig, StageContract, check_tp_group, normal_init, seeded, vocabulary_init
+from models.common import (
+    PLAIN,
+    AttentionCore,
+    ModelConfig,
+    SpeedOptions,
+    StageContract,
+    check_tp_group,
+    dropout,
+    normal_init,
+    seeded,
+    vocabulary_init,
+)
 
 
 @dataclass
@@ -35,25 +46,30 @@ class BertConfig(ModelConfig):
     """Model shape; the embedding is padded to a multiple of make_vocab_size_divisible_by x TP rows,
     invisibly (see models/common.py): the MLM loss covers vocab_size tokens only."""
 
-    vocab_size: int = 8000
-    seq_length: int = 128
-    num_layers: int = 4
-    hidden_size: int = 256
-    num_attention_heads: int = 4
+    vocab_size: int = 8000  # tokens in the vocabulary (the recipes take the tokenizer's)
+    seq_length: int = 128  # tokens per sample
+    num_layers: int = 4  # transformer layers
+    hidden_size: int = 256  # width of the residual stream
+    num_attention_heads: int = 4  # attention heads (split over the tensor-parallel ranks)
     ffn_hidden_size: int | None = None  # default 4 * hidden_size
-    dropout: float = 0.1
-    layernorm_epsilon: float = 1e-5
-    make_vocab_size_divisible_by: int = 128
-    num_token_types: int = 2
+    dropout: float = 0.1  # dropout of attention probabilities and hidden states (Megatron's two: below)
+    attention_dropout: float | None = None  # dropout of the attention probabilities (None: dropout)
+    hidden_dropout: float | None = None  # dropout of the embeddings and each sublayer's output (None: dropout)
+    init_method_std: float = 0.02  # std of the weights' normal initialisation
+    max_position_embeddings: int | None = None  # rows of the position table (None: seq_length); >= seq_length
+    layernorm_epsilon: float = 1e-5  # LayerNorm's epsilon
+    make_vocab_size_divisible_by: int = 128  # the embedding's rows are padded to a multiple of this x TP (Megatron's)
+    num_token_types: int = 2  # token types (segments) of the token-type embedding
     post_layer_norm: bool = True  # BERT's original; False: pre-LayerNorm blocks and a final LayerNorm
     binary_head: str = "sop"  # "sop" (sentence order) or "nsp" (next sentence): a 2-way head on [CLS]
-    # applied by models/parallelize.py, not by Bert(config) (see the module docstring)
+    # run by Bert(config, speed_options=True), what models/parallelize.py builds (see the module docstring)
     recompute_granularity: str | None = None  # "full": whole layers; "selective": the attention core
     recompute_num_layers: int | None = None  # with "full": the first N layers of each stage (default: all)
-    tensor_model_parallel_size: int = 1
+    tensor_model_parallel_size: int = 1  # must equal the size of the tp_group the model is built with
     sequence_parallel: bool = False  # split LayerNorm/dropout activations along the sequence across TP ranks
 
     def __post_init__(self):
+        self.check_positions()
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
                              f"{self.num_attention_heads}")
@@ -72,49 +88,20 @@ class BertConfig(ModelConfig):
                              f"tensor_model_parallel_size {self.tensor_model_parallel_size}")
 
 
-def _dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool, layer: int = 0,
-             site: int = keyed.EMBEDDING) -> torch.Tensor:
-    """Dropout; sequence-parallel activations are different tokens on each TP rank: per-rank masks.
-    (layer, site) key the masks in the layout-invariant mode."""
-    if not (training and p):
-        return x
-    if keyed.layout_invariant():
-        return keyed.hidden_dropout(x, p, layer, site, sequence_parallel)
-    with get_rng_tracker().fork() if sequence_parallel else contextlib.nullcontext():
-        return F.dropout(x, p, True)
-
-
-class Attention(nn.Module):
-    """softmax(q k^T / sqrt(d)) v over the tokens `attend` marks, with dropout: the attention core,
-    without parameters (its own module so that models/parallelize.py can recompute it alone).
-    `layer` (in the whole model) keys its masks in the layout-invariant dropout mode."""
-
-    def __init__(self, dropout: float, layer: int = 0):
-        super().__init__()
-        self.dropout = dropout
-        self.layer = layer
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
-        if self.training and self.dropout and keyed.layout_invariant():  # per (sample, global head) masks
-            return keyed.attention(q, k, v, self.dropout, self.layer, attn_mask=attend)
-        with get_rng_tracker().fork():  # attention dropout differs between the TP ranks' heads
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=attend,
-                                                  dropout_p=self.dropout if self.training else 0.0)
-
-
 class SelfAttention(nn.Module):
     """Bidirectional multi-head attention over the non-padding tokens; this TP rank's heads."""
 
-    def __init__(self, config: BertConfig, tp_group=None, layer: int = 0):
+    def __init__(self, config: BertConfig, tp_group=None, layer: int = 0, speed: SpeedOptions = PLAIN):
         super().__init__()
         self.num_heads = config.num_attention_heads // config.tensor_model_parallel_size
         self.head_dim = config.hidden_size // config.num_attention_heads
         sp = config.sequence_parallel
         self.qkv = tp.ColumnParallelLinear(config.hidden_size, 3 * config.hidden_size, tp_group,
-                                           init_method=normal_init(0.02), stride=3, sequence_parallel=sp)
-        self.core = Attention(config.dropout, layer)
+                                           init_method=normal_init(config.init_method_std), stride=3,
+                                           sequence_parallel=sp)
+        self.core = AttentionCore(config.attention_dropout_rate, layer, causal=False, recompute=speed.attention)
         self.proj = tp.RowParallelLinear(config.hidden_size, config.hidden_size, tp_group,
-                                         init_method=normal_init(0.02), sequence_parallel=sp)
+                                         init_method=normal_init(config.init_method_std), sequence_parallel=sp)
 
     def forward(self, x: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)  # [batch, seq, 3 * local heads * head_dim] (the whole sequence under SP)
@@ -127,26 +114,31 @@ class SelfAttention(nn.Module):
 class Layer(nn.Module):
     """Attention and GeLU MLP, each with a residual: post-LN ln(x + f(x)) or pre-LN x + f(ln(x))."""
 
-    def __init__(self, config: BertConfig, tp_group=None, layer: int = 0):
+    def __init__(self, config: BertConfig, tp_group=None, layer: int = 0, speed: SpeedOptions = PLAIN):
         super().__init__()
         self.post_ln = config.post_layer_norm
         sp = self.sequence_parallel = config.sequence_parallel
-        self.ln_1 = tp.LayerNorm(config.hidden_size, config.layernorm_epsilon, tp_group, sp)
-        self.attn = SelfAttention(config, tp_group, layer)
-        self.ln_2 = tp.LayerNorm(config.hidden_size, config.layernorm_epsilon, tp_group, sp)
+        self.ln_1 = tp.LayerNorm(config.hidden_size, config.layernorm_epsilon, tp_group, sp, speed.fused_kernels)
+        self.attn = SelfAttention(config, tp_group, layer, speed)
+        self.ln_2 = tp.LayerNorm(config.hidden_size, config.layernorm_epsilon, tp_group, sp, speed.fused_kernels)
         self.fc = tp.ColumnParallelLinear(config.hidden_size, config.ffn_hidden_size, tp_group,
-                                          init_method=normal_init(0.02), sequence_parallel=sp)
+                                          init_method=normal_init(config.init_method_std), sequence_parallel=sp)
         self.proj = tp.RowParallelLinear(config.ffn_hidden_size, config.hidden_size, tp_group,
-                                         init_method=normal_init(0.02), sequence_parallel=sp)
-        self.dropout = config.dropout
+                                         init_method=normal_init(config.init_method_std), sequence_parallel=sp)
+        self.dropout = config.hidden_dropout_rate
         self.layer = layer  # in the whole model: keys the layout-invariant dropout masks
+        self.recompute = speed.layer
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x)))
 
     def forward(self, x: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
-        drop = lambda y, site: _dropout(y, self.dropout, self.training, self.sequence_parallel,  # noqa: E731
-                                        self.layer, site)
+        return self.recompute(self.compute, x, attend)
+
+    def compute(self, x: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
+        """The layer itself (forward adds only the recomputation)."""
+        drop = lambda y, site: dropout(y, self.dropout, self.training, self.layer, site,  # noqa: E731
+                                       self.sequence_parallel)
         if self.post_ln:
             x = self.ln_1(x + drop(self.attn(x, attend), keyed.ATTENTION_OUTPUT))
             return self.ln_2(x + drop(self._mlp(x), keyed.MLP_OUTPUT))
@@ -159,10 +151,11 @@ class Bert(StageContract, nn.Module):
 
     Batch keys: input_ids, token_type_ids, padding_mask (True for real tokens), labels (original
     ids at masked positions), loss_mask (1.0 where a token was masked), sentence_order (0/1).
+    tp_group, layers, pre_process, post_process, speed_options: as GPT's (models/gpt.py).
     """
 
     def __init__(self, config: BertConfig, tp_group=None, layers: range | None = None, pre_process: bool = True,
-                 post_process: bool = True):
+                 post_process: bool = True, speed_options: bool = False):
         super().__init__()
         check_tp_group(config, tp_group)
         self.config, self.tp_group = config, tp_group
@@ -175,21 +168,35 @@ class Bert(StageContract, nn.Module):
             # by summing both copies' gradients, see tied_parameters) built from the same seed as the
             # first stage's
             self.wte = tp.VocabParallelEmbedding(config.padded_vocab_size, h, tp_group,
-                                                 init_method=vocabulary_init(0.02, config.vocab_size))
+                                                 init_method=vocabulary_init(config.init_method_std, config.vocab_size))
             if pre_process:
-                self.wpe = nn.Embedding(config.seq_length, h)
+                self.wpe = nn.Embedding(config.max_position_embeddings or config.seq_length, h)
                 self.tte = nn.Embedding(config.num_token_types, h)
-                nn.init.normal_(self.wpe.weight, std=0.02)
-                nn.init.normal_(self.tte.weight, std=0.02)
+                nn.init.normal_(self.wpe.weight, std=config.init_method_std)
+                nn.init.normal_(self.tte.weight, std=config.init_method_std)
                 self.ln_emb = nn.LayerNorm(h, eps=eps)
         blocks = []
-        for i in self.layers:
+        for position, i in enumerate(self.layers):
+            speed = SpeedOptions.of(config, position) if speed_options else PLAIN
             with seeded(base_seed + 1 + i):
-                blocks.append(Layer(config, tp_group, i))
+                blocks.append(Layer(config, tp_group, i, speed))
         self.blocks = nn.ModuleList(blocks)
         if post_process:
             with seeded(base_seed + 1 + config.num_layers):
                 self._build_heads(config)
+
+    @staticmethod
+    def example_batch(config: BertConfig, micro_batch_size: int) -> dict[str, torch.Tensor]:
+        """A micro-batch of `micro_batch_size` random sequences with every key forward takes (the
+        measured stage split times the stages on it): no padding, ~15% of the tokens masked; its
+        own generator, so drawing it moves no other."""
+        generator = torch.Generator()
+        shape = (micro_batch_size, config.seq_length)
+        ids = torch.randint(0, config.vocab_size, shape, generator=generator)
+        return {"input_ids": ids, "token_type_ids": torch.zeros_like(ids),
+                "padding_mask": torch.ones(shape, dtype=torch.bool), "labels": ids,
+                "loss_mask": (torch.rand(shape, generator=generator) < 0.15).float(),
+                "sentence_order": torch.randint(0, 2, (micro_batch_size,), generator=generator)}
 
     def _build_heads(self, config: BertConfig) -> None:
         h, eps = config.hidden_size, config.layernorm_epsilon
@@ -203,7 +210,7 @@ class Bert(StageContract, nn.Module):
         self.pooler = nn.Linear(h, h)
         self.binary = nn.Linear(h, 2)
         for linear in (self.lm_dense, self.pooler, self.binary):
-            nn.init.normal_(linear.weight, std=0.02)
+            nn.init.normal_(linear.weight, std=config.init_method_std)
             nn.init.zeros_(linear.bias)
 
     def embed(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
@@ -215,7 +222,8 @@ class Bert(StageContract, nn.Module):
         x = self.ln_emb(x)
         if self.config.sequence_parallel:
             x = tp.scatter_to_sequence_parallel_region(x, self.tp_group)
-        return _dropout(x, self.config.dropout, self.training, self.config.sequence_parallel)
+        return dropout(x, self.config.hidden_dropout_rate, self.training, 0, keyed.EMBEDDING,
+                       self.config.sequence_parallel)
 
     def encode(self, padding_mask: torch.Tensor, input_ids=None, token_type_ids=None,
                hidden_states: torch.Tensor | None = None) -> torch.Tensor:

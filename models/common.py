@@ -1,6 +1,9 @@
-"""What models/gpt.py and models/bert.py share: config loading and vocabulary padding, the
-model contract the engine and checkpoints ask through (megazero.model_contract), the per-layer
-seeding that makes every shard and stage start as the single-process model, and the initialisers.
+"""What models/gpt.py, models/llama.py and models/bert.py share: config loading and vocabulary
+padding, the model contract the engine and checkpoints ask through (megazero.model_contract), the
+per-layer seeding that makes every shard and stage start as the single-process model, the
+initialisers, and the pieces every model runs: the attention core (`AttentionCore`), dropout
+(`dropout`) and the speed options a layer is built with (`SpeedOptions`: fused kernels,
+recomputation). Edit the attention here and all three models, in every dropout mode, run it.
 
 Vocabulary padding is an implementation detail of the layout: the embedding gets rows up to a
 multiple of make_vocab_size_divisible_by x TP so that it splits evenly over the tensor-parallel
@@ -15,12 +18,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
+from megazero.activation_checkpointing import checkpoint
 from megazero.meta_device import skeleton
 from megazero.moe.router import SCORE_ORDERS
+from megazero.tensor_parallel import invariant_dropout as keyed
+from megazero.tensor_parallel.random import get_rng_tracker
 
 
 class ModelConfig:
@@ -33,6 +41,27 @@ class ModelConfig:
             if getattr(self, name) % self.tensor_model_parallel_size:
                 raise ValueError(f"{name} {getattr(self, name)} is not divisible by tensor_model_parallel_size "
                                  f"{self.tensor_model_parallel_size}")
+
+    def check_positions(self) -> None:
+        """Megatron's max_position_embeddings, where given, must cover seq_length."""
+        if self.max_position_embeddings is not None and self.max_position_embeddings < self.seq_length:
+            raise ValueError(f"max_position_embeddings {self.max_position_embeddings} is less than seq_length "
+                             f"{self.seq_length}")
+
+    @property
+    def attention_dropout_rate(self) -> float:
+        """Megatron's --attention-dropout, else the model's dropout."""
+        return self.dropout if self.attention_dropout is None else self.attention_dropout
+
+    @property
+    def hidden_dropout_rate(self) -> float:
+        """Megatron's --hidden-dropout, else the model's dropout."""
+        return self.dropout if self.hidden_dropout is None else self.hidden_dropout
+
+    @property
+    def output_init_std(self) -> float:
+        """The std of the layers writing into the residual stream (GPT-2's and Megatron's scaled init)."""
+        return self.init_method_std / math.sqrt(2 * self.num_layers)
 
     @property
     def padded_vocab_size(self) -> int:
@@ -160,6 +189,14 @@ def seeded(seed: int):
         yield
 
 
+def causal_lm_batch(config: ModelConfig, micro_batch_size: int) -> dict[str, torch.Tensor]:
+    """A micro-batch of `micro_batch_size` random sequences of seq_length tokens with next-token
+    labels, for a causal language model (GPT's and Llama's example_batch: the measured stage split
+    times the stages on it); its own generator, so drawing it moves no other."""
+    ids = torch.randint(0, config.vocab_size, (micro_batch_size, config.seq_length), generator=torch.Generator())
+    return {"input_ids": ids, "labels": ids.roll(-1, dims=1)}
+
+
 def count_parameters(model_class, config: ModelConfig) -> int:
     """Parameters of the whole model (all stages and shards; a tied embedding once), counted on the
     meta device without allocating anything, and without consuming random numbers (building a
@@ -180,3 +217,114 @@ def count_active_parameters(model_class, config: ModelConfig) -> int:
             return total
         experts = sum(p.numel() for p in model.parameters() if getattr(p, "megazero_expert", False))
         return total - experts + experts * config.moe_router_topk // config.num_experts
+
+
+def dropout(x: torch.Tensor, p: float, training: bool, layer: int = 0, site: int = keyed.EMBEDDING,
+            sequence_parallel: bool = False) -> torch.Tensor:
+    """Dropout of hidden states at dropout site `site` (keyed.EMBEDDING, ATTENTION_OUTPUT,
+    MLP_OUTPUT) of layer `layer` of the whole model (the embedding's is layer 0's EMBEDDING).
+    Default mode: F.dropout on the layer's stream, per TP rank where sequence parallelism gives
+    each rank other tokens; layout-invariant mode: the engine's per-sample masks keyed by (layer,
+    site) (megazero/tensor_parallel/invariant_dropout.py)."""
+    if not (training and p):
+        return x
+    if keyed.layout_invariant():
+        return keyed.hidden_dropout(x, p, layer, site, sequence_parallel)
+    with get_rng_tracker().fork() if sequence_parallel else contextlib.nullcontext():
+        return F.dropout(x, p, True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Recompute:
+    """Whether a module's forward is recomputed in backward instead of keeping its activations,
+    while gradients are on (megazero.activation_checkpointing.checkpoint: the forward's RNG states
+    are restored, so dropout masks and gradients are exactly those without recomputation). The
+    module calls `self.recompute(self.compute, *args)` in its forward: no wrapper module, so
+    parameter names and the state dict stay the plain model's.
+
+    kept: how many leading arguments the checkpoint keeps (the others, an attention mask or a KV
+    cache, are closed over); partitionable: the kept inputs are the same on every tensor-parallel
+    rank, so partition_activations may split them."""
+
+    enabled: bool = False
+    kept: int = 1
+    partitionable: bool = False
+
+    def __call__(self, function, *args):
+        """function(*args), recomputed in backward where enabled and gradients are on."""
+        if not (self.enabled and torch.is_grad_enabled()):
+            return function(*args)
+        kept, rest = args[:self.kept], args[self.kept:]
+        return checkpoint(lambda *kept: function(*kept, *rest), *kept, partitionable=self.partitionable)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeedOptions:
+    """How one layer runs, never what it computes nor its parameters: fused_kernels (megazero's
+    fused norms and bias + GeLU where they are built and take the input), `layer` (the whole layer
+    recomputed: recompute_granularity "full") and `attention` (its attention core recomputed:
+    "selective"). SpeedOptions() is the plain layer."""
+
+    fused_kernels: bool = False
+    layer: Recompute = Recompute()
+    attention: Recompute = Recompute(kept=3)
+
+    @classmethod
+    def of(cls, config: ModelConfig, position: int) -> SpeedOptions:
+        """The config's options for the layer at `position` in its stage (0: the stage's first):
+        fused_kernels (a config without the field: none); recompute_granularity "full" recomputes
+        the first recompute_num_layers layers of each stage (all by default, as Megatron), keeping
+        their input (the same on every TP rank unless sequence parallelism splits it);
+        "selective" every attention core, keeping q, k and v (this rank's heads: never
+        partitionable)."""
+        granularity, count = config.recompute_granularity, config.recompute_num_layers
+        full = granularity == "full" and (count is None or position < count)
+        return cls(fused_kernels=getattr(config, "fused_kernels", False),
+                   layer=Recompute(full, kept=1, partitionable=not config.sequence_parallel),
+                   attention=Recompute(granularity == "selective", kept=3))
+
+
+PLAIN = SpeedOptions()  # the plain layer: torch's kernels, nothing recomputed
+
+
+class AttentionCore(nn.Module):
+    """softmax(q k^T / sqrt(d) [masked]) v with dropout on the probabilities: the attention of
+    GPT, Llama and BERT, without parameters (its own module so that selective recomputation can
+    recompute it alone). q: [batch, heads, seq_q, d]; k, v: [batch, key/value heads, seq_k, d],
+    each key/value head serving consecutive query heads (grouped-query attention).
+
+    causal: query i sees the keys before it (and the cached ones, generation); otherwise
+    forward's `attend` (bool, True: attend) says what each query sees. `layer` (in the whole
+    model) keys the masks in the layout-invariant dropout mode, which supplies them here: the
+    math is then written out (torch's fused kernel draws its own random numbers)."""
+
+    def __init__(self, dropout: float, layer: int = 0, causal: bool = True,
+                 recompute: Recompute = PLAIN.attention):
+        super().__init__()
+        self.dropout = dropout
+        self.layer = layer
+        self.causal = causal
+        self.recompute = recompute
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                attend: torch.Tensor | None = None) -> torch.Tensor:
+        return self.recompute(self.compute, q, k, v, attend)
+
+    def compute(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                attend: torch.Tensor | None = None) -> torch.Tensor:
+        """The attention itself (forward adds only the recomputation)."""
+        mask, is_causal = attend, False
+        if self.causal:
+            if attend is not None:
+                raise ValueError("a causal AttentionCore makes its own mask: pass `attend` to one built causal=False")
+            past = k.shape[2] - q.shape[2]  # keys cached from earlier steps (generation)
+            if past and q.shape[2] > 1:  # query i sees the cache and the first i + 1 new keys
+                mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(diagonal=past)
+            is_causal = past == 0
+        p = self.dropout if self.training else 0.0
+        if p and keyed.layout_invariant():  # the engine's masks, one per (sample, global head)
+            return keyed.softmax_attention(q, k, v, mask, is_causal,
+                                           keyed.attention_dropout_mask(q, k.shape[2], p, self.layer))
+        with get_rng_tracker().fork():  # attention dropout differs between the TP ranks' heads
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, dropout_p=p,
+                                                  enable_gqa=q.shape[1] != k.shape[1])

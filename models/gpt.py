@@ -12,15 +12,15 @@ layer is initialised from its own seed (drawn once from the default generator), 
 any tensor-parallel shard, starts exactly as the slice of the single-process model built from the
 same seed.
 
-GPT(config) is the plain model: no recomputation, torch's kernels. The speed options of the
-config (recompute_granularity / recompute_num_layers, fused_kernels) are applied to it by
-models/parallelize.py: `parallelize(config, grid)` builds the module the recipes train.
+GPT(config) is the plain model: no recomputation, torch's kernels. GPT(config, speed_options=True),
+what `parallelize(config, grid)` (models/parallelize.py) builds for the recipes, runs the config's
+speed options: recompute_granularity / recompute_num_layers and fused_kernels, each layer built
+with them (models.common.SpeedOptions: the MLP and the LayerNorms pick their kernels, the block
+and the attention core their recomputation). Neither changes a parameter or what is computed.
 """
 
 from __future__ import annotations
 
-import contextlib
-import math
 from dataclasses import dataclass
 
 import torch
@@ -29,13 +29,19 @@ import torch.nn.functional as F
 
 from megazero import tensor_parallel as tp
 from megazero.moe import MoELayer, attached_aux_loss
+from megazero.ops.cuda_ops import bias_gelu
 from megazero.tensor_parallel import invariant_dropout as keyed
-from megazero.tensor_parallel.random import get_rng_tracker, layer_stream
+from megazero.tensor_parallel.random import layer_stream
 from models.common import (
+    PLAIN,
+    AttentionCore,
     ModelConfig,
+    SpeedOptions,
     StageContract,
+    causal_lm_batch,
     check_moe,
     check_tp_group,
+    dropout,
     moe_layer_config,
     normal_init,
     seeded,
@@ -49,16 +55,20 @@ class GPTConfig(ModelConfig):
     """Model shape. The embedding is padded to a multiple of `make_vocab_size_divisible_by` x TP
     rows; the padding is invisible (see models/common.py): logits and loss cover vocab_size only."""
 
-    vocab_size: int = 8000
-    seq_length: int = 256
-    num_layers: int = 6
-    hidden_size: int = 384
-    num_attention_heads: int = 6
+    vocab_size: int = 8000  # tokens in the vocabulary (the recipes take the tokenizer's)
+    seq_length: int = 256  # tokens per sample
+    num_layers: int = 6  # transformer layers
+    hidden_size: int = 384  # width of the residual stream
+    num_attention_heads: int = 6  # attention heads (split over the tensor-parallel ranks)
     ffn_hidden_size: int | None = None  # default 4 * hidden_size
-    dropout: float = 0.0
-    layernorm_epsilon: float = 1e-5
-    make_vocab_size_divisible_by: int = 128
-    # applied by models/parallelize.py, not by GPT(config) (see the module docstring)
+    dropout: float = 0.0  # dropout of attention probabilities and hidden states (Megatron's two: below)
+    attention_dropout: float | None = None  # dropout of the attention probabilities (None: dropout)
+    hidden_dropout: float | None = None  # dropout of the embeddings and each sublayer's output (None: dropout)
+    init_method_std: float = 0.02  # std of the weights' normal init; output layers' std / sqrt(2 x num_layers)
+    max_position_embeddings: int | None = None  # rows of the position table (None: seq_length); >= seq_length
+    layernorm_epsilon: float = 1e-5  # LayerNorm's epsilon
+    make_vocab_size_divisible_by: int = 128  # the embedding's rows are padded to a multiple of this x TP (Megatron's)
+    # run by GPT(config, speed_options=True), what models/parallelize.py builds (see the module docstring)
     recompute_granularity: str | None = None  # "full": whole layers; "selective": the attention core
     recompute_num_layers: int | None = None  # with "full": the first N layers of each stage (default: all)
     fused_kernels: bool = True  # on GPUs, megazero's CUDA LayerNorm and bias + GeLU (where built)
@@ -66,9 +76,9 @@ class GPTConfig(ModelConfig):
     sequence_parallel: bool = False  # split LayerNorm/dropout activations along the sequence across TP ranks
     # mixture of experts (Megatron's flags): every moe_layer_freq-th layer (0, freq, ...) has num_experts
     # experts in place of its MLP (megazero/moe/); None: the dense model
-    num_experts: int | None = None
-    moe_router_topk: int = 2
-    moe_layer_freq: int = 1
+    num_experts: int | None = None  # experts per MoE layer; None: the dense model
+    moe_router_topk: int = 2  # experts each token is routed to (1 or 2)
+    moe_layer_freq: int = 1  # every Nth layer (0, N, 2N, ...) is an MoE layer
     moe_capacity_factor: float | None = None  # None: dropless
     moe_aux_loss_coeff: float = 0.01  # load-balancing loss weight, added to the training loss
     moe_z_loss_coeff: float = 0.0  # router z-loss weight
@@ -77,6 +87,7 @@ class GPTConfig(ModelConfig):
     moe_router_score_order: str = "softmax_topk"
 
     def __post_init__(self):
+        self.check_positions()
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
                              f"{self.num_attention_heads}")
@@ -92,41 +103,24 @@ class GPTConfig(ModelConfig):
                              f"tensor_model_parallel_size {tp_size}")
 
 
-class CausalAttention(nn.Module):
-    """softmax(q k^T / sqrt(d), causal) v with dropout: the attention core, without parameters (its
-    own module so that models/parallelize.py can recompute it alone: selective recomputation).
-    `layer` (in the whole model) keys its masks in the layout-invariant dropout mode."""
-
-    def __init__(self, dropout: float, layer: int = 0):
-        super().__init__()
-        self.dropout = dropout
-        self.layer = layer
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        past = k.shape[2] - q.shape[2]  # keys cached from earlier steps (generation)
-        mask = None
-        if past and q.shape[2] > 1:  # query i sees the cache and the first i + 1 new keys
-            mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(diagonal=past)
-        if self.training and self.dropout and keyed.layout_invariant():  # per (sample, global head) masks
-            return keyed.attention(q, k, v, self.dropout, self.layer, attn_mask=mask, is_causal=past == 0)
-        with get_rng_tracker().fork():  # attention dropout differs between the TP ranks' heads
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=past == 0,
-                                                  dropout_p=self.dropout if self.training else 0.0)
+# GPT's attention core: the models' one (models/common.py), causal
+CausalAttention = AttentionCore
 
 
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention with a causal mask; this TP rank computes its share of the heads."""
 
-    def __init__(self, config: GPTConfig, tp_group=None, layer: int = 0):
+    def __init__(self, config: GPTConfig, tp_group=None, layer: int = 0, speed: SpeedOptions = PLAIN):
         super().__init__()
         self.num_heads = config.num_attention_heads // config.tensor_model_parallel_size  # local heads
         self.head_dim = config.hidden_size // config.num_attention_heads
         sp = config.sequence_parallel
-        residual_std = 0.02 / math.sqrt(2 * config.num_layers)
+        residual_std = config.output_init_std
         # fused [Q; K; V] rows, stride 3: each TP rank holds the Q, K and V rows of its heads
         self.qkv = tp.ColumnParallelLinear(config.hidden_size, 3 * config.hidden_size, tp_group,
-                                           init_method=normal_init(0.02), stride=3, sequence_parallel=sp)
-        self.core = CausalAttention(config.dropout, layer)
+                                           init_method=normal_init(config.init_method_std), stride=3,
+                                           sequence_parallel=sp)
+        self.core = CausalAttention(config.attention_dropout_rate, layer, recompute=speed.attention)
         self.proj = tp.RowParallelLinear(config.hidden_size, config.hidden_size, tp_group,
                                          init_method=normal_init(residual_std), sequence_parallel=sp)
 
@@ -143,20 +137,24 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """hidden -> ffn (column-parallel) -> GELU -> hidden (row-parallel). On GPUs, parallelize() runs
-    bias + GeLU in megazero's fused kernel instead of this forward (models/parallelize.py,
-    FusedBiasGeluMLP): set `fused_kernels: false` in the model config when you change it."""
+    """hidden -> ffn (column-parallel) -> GELU -> hidden (row-parallel). fused: on CUDA inputs,
+    bias + GeLU in megazero's fused kernel (cuda_ops.bias_gelu: torch's ops where the kernel is
+    not built or does not take the input); an edit to the GeLU below must change that line too, or
+    run with `fused_kernels: false`."""
 
-    def __init__(self, config: GPTConfig, tp_group=None):
+    def __init__(self, config: GPTConfig, tp_group=None, fused: bool = False):
         super().__init__()
+        self.fused = fused
         sp = config.sequence_parallel
-        residual_std = 0.02 / math.sqrt(2 * config.num_layers)
+        residual_std = config.output_init_std
         self.fc = tp.ColumnParallelLinear(config.hidden_size, config.ffn_hidden_size, tp_group,
-                                          init_method=normal_init(0.02), sequence_parallel=sp)
+                                          init_method=normal_init(config.init_method_std), sequence_parallel=sp)
         self.proj = tp.RowParallelLinear(config.ffn_hidden_size, config.hidden_size, tp_group,
                                          init_method=normal_init(residual_std), sequence_parallel=sp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and x.is_cuda:
+            return self.proj(bias_gelu(self.fc(x, add_bias=False), self.fc.bias))
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
 
 
@@ -165,28 +163,28 @@ class Block(nn.Module):
     `layer` of an MoE config has a megazero.moe.MoELayer of GeLU experts as its mlp (experts split
     over ep_group)."""
 
-    def __init__(self, config: GPTConfig, tp_group=None, layer: int = 0, ep_group=None):
+    def __init__(self, config: GPTConfig, tp_group=None, layer: int = 0, ep_group=None,
+                 speed: SpeedOptions = PLAIN):
         super().__init__()
-        sp = config.sequence_parallel
-        self.ln_1 = tp.LayerNorm(config.hidden_size, config.layernorm_epsilon, tp_group, sp)
-        self.attn = CausalSelfAttention(config, tp_group, layer)
-        self.ln_2 = tp.LayerNorm(config.hidden_size, config.layernorm_epsilon, tp_group, sp)
-        moe = moe_layer_config(config, layer, "gelu", 0.02 / math.sqrt(2 * config.num_layers))
-        self.mlp = MLP(config, tp_group) if moe is None else MoELayer(moe, ep_group, tp_group)
-        self.dropout = config.dropout
+        sp, fused = config.sequence_parallel, speed.fused_kernels
+        self.ln_1 = tp.LayerNorm(config.hidden_size, config.layernorm_epsilon, tp_group, sp, fused)
+        self.attn = CausalSelfAttention(config, tp_group, layer, speed)
+        self.ln_2 = tp.LayerNorm(config.hidden_size, config.layernorm_epsilon, tp_group, sp, fused)
+        moe = moe_layer_config(config, layer, "gelu", config.output_init_std)
+        self.mlp = MLP(config, tp_group, fused) if moe is None else MoELayer(moe, ep_group, tp_group)
+        self.dropout = config.hidden_dropout_rate
         self.sequence_parallel = sp
         self.layer = layer  # in the whole model: keys the layout-invariant dropout masks
+        self.recompute = speed.layer
 
     def _dropout(self, x: torch.Tensor, site: int) -> torch.Tensor:
-        if not (self.training and self.dropout):
-            return x
-        if keyed.layout_invariant():  # per-sample masks of (layer, site)
-            return keyed.hidden_dropout(x, self.dropout, self.layer, site, self.sequence_parallel)
-        # sequence-parallel activations are different tokens on each TP rank: draw per-rank masks
-        with get_rng_tracker().fork() if self.sequence_parallel else contextlib.nullcontext():
-            return F.dropout(x, self.dropout, True)
+        return dropout(x, self.dropout, self.training, self.layer, site, self.sequence_parallel)
 
     def forward(self, x: torch.Tensor, kv_cache: dict | None = None) -> torch.Tensor:
+        return self.recompute(self.compute, x, kv_cache)
+
+    def compute(self, x: torch.Tensor, kv_cache: dict | None = None) -> torch.Tensor:
+        """The layer itself (forward adds only the recomputation)."""
         x = x + self._dropout(self.attn(self.ln_1(x), kv_cache), keyed.ATTENTION_OUTPUT)
         return x + self._dropout(self.mlp(self.ln_2(x)), keyed.MLP_OUTPUT)
 
@@ -197,15 +195,17 @@ class GPT(StageContract, CausalLMGeneration, nn.Module):
     tp_group: tensor-parallel process group (None: one rank). layers / pre_process / post_process:
     build one pipeline stage (which of the config's layers; with the embeddings; with the final
     LayerNorm, head and loss). A stage without pre_process takes `hidden_states` instead of ids;
-    one without post_process returns its hidden states. The plain model: parallelize(config)
-    adds the config's recomputation and fused kernels. generate(): models/generation.py.
+    one without post_process returns its hidden states. speed_options: run the config's
+    recomputation and fused kernels (False: the plain model). generate(): models/generation.py.
     ep_group: the expert-parallel group of the MoE layers (config.num_experts; None: all experts
     here). In training, the loss includes the MoE layers' auxiliary losses (the value; every stage's
     layers get their gradient through their outputs, megazero/moe/aux_loss.py).
     """
 
+    example_batch = staticmethod(causal_lm_batch)  # what the measured stage split times
+
     def __init__(self, config: GPTConfig, tp_group=None, layers: range | None = None, pre_process: bool = True,
-                 post_process: bool = True, ep_group=None):
+                 post_process: bool = True, ep_group=None, speed_options: bool = False):
         super().__init__()
         check_tp_group(config, tp_group)
         self.config = config
@@ -219,18 +219,21 @@ class GPT(StageContract, CausalLMGeneration, nn.Module):
             # by summing both copies' gradients, see tied_parameters) built from the same seed as the
             # first stage's
             if pre_process or post_process:
+                vocab_init = vocabulary_init(config.init_method_std, config.vocab_size)
                 self.wte = tp.VocabParallelEmbedding(config.padded_vocab_size, config.hidden_size, tp_group,
-                                                     init_method=vocabulary_init(0.02, config.vocab_size))
+                                                     init_method=vocab_init)
             if pre_process:
-                self.wpe = nn.Embedding(config.seq_length, config.hidden_size)
-                nn.init.normal_(self.wpe.weight, mean=0.0, std=0.02)
+                self.wpe = nn.Embedding(config.max_position_embeddings or config.seq_length, config.hidden_size)
+                nn.init.normal_(self.wpe.weight, mean=0.0, std=config.init_method_std)
         blocks = []
-        for i in self.layers:
+        for position, i in enumerate(self.layers):
+            speed = SpeedOptions.of(config, position) if speed_options else PLAIN
             with seeded(base_seed + 1 + i):
-                blocks.append(Block(config, tp_group, i, ep_group))
+                blocks.append(Block(config, tp_group, i, ep_group, speed))
         self.blocks = nn.ModuleList(blocks)
         if post_process:
-            self.ln_f = tp.LayerNorm(config.hidden_size, config.layernorm_epsilon, tp_group, config.sequence_parallel)
+            self.ln_f = tp.LayerNorm(config.hidden_size, config.layernorm_epsilon, tp_group, config.sequence_parallel,
+                                     fused=speed_options and config.fused_kernels)
 
     def embed(self, input_ids: torch.Tensor, first_position: int = 0) -> torch.Tensor:
         """Token + position embeddings, with dropout (split along the sequence under SP)."""
@@ -240,12 +243,8 @@ class GPT(StageContract, CausalLMGeneration, nn.Module):
         x = self.wte(input_ids) + self.wpe(torch.arange(first_position, end, device=input_ids.device))
         if self.config.sequence_parallel:
             x = tp.scatter_to_sequence_parallel_region(x, self.tp_group)
-        if not (self.training and self.config.dropout):
-            return x
-        if keyed.layout_invariant():
-            return keyed.hidden_dropout(x, self.config.dropout, 0, keyed.EMBEDDING, self.config.sequence_parallel)
-        with get_rng_tracker().fork() if self.config.sequence_parallel else contextlib.nullcontext():
-            return F.dropout(x, self.config.dropout, True)
+        return dropout(x, self.config.hidden_dropout_rate, self.training, 0, keyed.EMBEDDING,
+                       self.config.sequence_parallel)
 
     def head(self, x: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
         """Final LayerNorm and tied output layer: mean loss given labels, else the logits of the

@@ -17,9 +17,12 @@ def hf_config_dict(config: BertConfig, pad_token_id: int) -> dict:
     return {"architectures": ["BertForPreTraining"], "model_type": "bert", "vocab_size": config.vocab_size,
             "hidden_size": config.hidden_size, "num_hidden_layers": config.num_layers,
             "num_attention_heads": config.num_attention_heads, "intermediate_size": config.ffn_hidden_size,
-            "hidden_act": "gelu", "hidden_dropout_prob": config.dropout, "attention_probs_dropout_prob": config.dropout,
-            "max_position_embeddings": config.seq_length, "type_vocab_size": config.num_token_types,
-            "initializer_range": 0.02, "layer_norm_eps": config.layernorm_epsilon, "pad_token_id": pad_token_id,
+            "hidden_act": "gelu", "hidden_dropout_prob": config.hidden_dropout_rate,
+            "attention_probs_dropout_prob": config.attention_dropout_rate,
+            "max_position_embeddings": config.max_position_embeddings or config.seq_length,
+            "type_vocab_size": config.num_token_types,
+            "initializer_range": config.init_method_std, "layer_norm_eps": config.layernorm_epsilon,
+            "pad_token_id": pad_token_id,
             "tie_word_embeddings": True, "torch_dtype": "float32"}
 
 

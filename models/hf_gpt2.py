@@ -27,10 +27,13 @@ def hf_config_dict(config: GPTConfig, bos_token_id: int, eos_token_id: int) -> d
         if not 0 <= token < vocab:
             raise ValueError(f"{name} {token} is outside the vocabulary of {vocab}")
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": vocab,
-            "n_positions": config.seq_length, "n_embd": config.hidden_size, "n_layer": config.num_layers,
+            "n_positions": config.max_position_embeddings or config.seq_length,
+            "n_embd": config.hidden_size, "n_layer": config.num_layers,
             "n_head": config.num_attention_heads, "n_inner": None, "activation_function": "gelu_new",
-            "resid_pdrop": config.dropout, "embd_pdrop": config.dropout, "attn_pdrop": config.dropout,
-            "layer_norm_epsilon": config.layernorm_epsilon, "initializer_range": 0.02, "scale_attn_weights": True,
+            "resid_pdrop": config.hidden_dropout_rate, "embd_pdrop": config.hidden_dropout_rate,
+            "attn_pdrop": config.attention_dropout_rate,
+            "layer_norm_epsilon": config.layernorm_epsilon, "initializer_range": config.init_method_std,
+            "scale_attn_weights": True,
             "use_cache": True, "tie_word_embeddings": True, "bos_token_id": bos_token_id,
             "eos_token_id": eos_token_id, "torch_dtype": "float32",
             "megazero_config": config.whole().to_dict()}

@@ -32,8 +32,9 @@ def hf_config_dict(config: LlamaConfig, bos_token_id: int, eos_token_id: int) ->
             "head_dim": config.hidden_size // config.num_attention_heads,
             "hidden_act": "silu", "max_position_embeddings": config.seq_length, "rms_norm_eps": config.norm_epsilon,
             "rope_theta": theta, "rope_parameters": {"rope_type": "default", "rope_theta": theta},
-            "attention_bias": False, "mlp_bias": False, "attention_dropout": config.dropout,
-            "tie_word_embeddings": not config.untie_embeddings_and_output_weights, "initializer_range": 0.02,
+            "attention_bias": False, "mlp_bias": False, "attention_dropout": config.attention_dropout_rate,
+            "tie_word_embeddings": not config.untie_embeddings_and_output_weights,
+            "initializer_range": config.init_method_std,
             "use_cache": True, "bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "dtype": "float32",
             "megazero_config": config.whole().to_dict()}
 

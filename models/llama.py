@@ -16,13 +16,12 @@ As in GPT, the linear layers are Megatron's column/row-parallel ones (plain Line
 a tp_group), a pipeline stage is this class built with `layers=range(first, last)` and without the
 embedding (`pre_process=False`) or the head (`post_process=False`), and each layer is initialised
 from its own seed, so every stage and shard starts as the slice of the single-process model.
-Llama(config) is the plain model; models/parallelize.py applies the config's recomputation.
+Llama(config) is the plain model; Llama(config, speed_options=True), what models/parallelize.py
+builds, runs the config's recomputation and fused RMSNorm (models.common.SpeedOptions), as GPT.
 """
 
 from __future__ import annotations
 
-import contextlib
-import math
 from dataclasses import dataclass
 
 import torch
@@ -33,12 +32,17 @@ import torch.nn.functional as F
 from megazero import tensor_parallel as tp
 from megazero.moe import MoELayer, attached_aux_loss
 from megazero.tensor_parallel import invariant_dropout as keyed
-from megazero.tensor_parallel.random import get_rng_tracker, layer_stream
+from megazero.tensor_parallel.random import layer_stream
 from models.common import (
+    PLAIN,
+    AttentionCore,
     ModelConfig,
+    SpeedOptions,
     StageContract,
+    causal_lm_batch,
     check_moe,
     check_tp_group,
+    dropout,
     moe_layer_config,
     normal_init,
     seeded,
@@ -52,19 +56,23 @@ class LlamaConfig(ModelConfig):
     """Model shape. The embedding (and the output layer) are padded to a multiple of
     `make_vocab_size_divisible_by` x TP rows, invisibly (see models/common.py)."""
 
-    vocab_size: int = 8000
-    seq_length: int = 256
-    num_layers: int = 6
-    hidden_size: int = 384
-    num_attention_heads: int = 6
+    vocab_size: int = 8000  # tokens in the vocabulary (the recipes take the tokenizer's)
+    seq_length: int = 256  # tokens per sample
+    num_layers: int = 6  # transformer layers
+    hidden_size: int = 384  # width of the residual stream
+    num_attention_heads: int = 6  # attention heads (split over the tensor-parallel ranks)
     num_query_groups: int | None = None  # key/value heads; default num_attention_heads (no grouping)
     ffn_hidden_size: int | None = None  # SwiGLU width; default 8/3 x hidden_size rounded up to 64
-    rope_theta: float = 10000.0
-    norm_epsilon: float = 1e-5
+    rope_theta: float = 10000.0  # base of the rotary embedding's frequencies (Megatron's --rotary-base)
+    norm_epsilon: float = 1e-5  # RMSNorm's epsilon
     dropout: float = 0.0  # Llama trains without; here as GPT has it (attention, residuals, embedding)
+    attention_dropout: float | None = None  # dropout of the attention probabilities (None: dropout)
+    hidden_dropout: float | None = None  # dropout of the embeddings and each sublayer's output (None: dropout)
+    init_method_std: float = 0.02  # std of the weights' normal init; output layers' std / sqrt(2 x num_layers)
+    max_position_embeddings: int | None = None  # Megatron's longest sequence: >= seq_length (rotary: no table)
     untie_embeddings_and_output_weights: bool = True  # False: the output layer is the word embedding
-    make_vocab_size_divisible_by: int = 128
-    # applied by models/parallelize.py, not by Llama(config)
+    make_vocab_size_divisible_by: int = 128  # the embedding's rows are padded to a multiple of this x TP (Megatron's)
+    # run by Llama(config, speed_options=True), what models/parallelize.py builds
     recompute_granularity: str | None = None  # "full": whole layers; "selective": the attention core
     recompute_num_layers: int | None = None  # with "full": the first N layers of each stage (default: all)
     fused_kernels: bool = True  # megazero's fused RMSNorm: CUDA kernel on GPUs, C++ op on CPUs (where built)
@@ -72,9 +80,9 @@ class LlamaConfig(ModelConfig):
     sequence_parallel: bool = False  # split RMSNorm/dropout activations along the sequence across TP ranks
     # mixture of experts (Megatron's flags): every moe_layer_freq-th layer (0, freq, ...) has num_experts
     # experts in place of its MLP (megazero/moe/); None: the dense model
-    num_experts: int | None = None
-    moe_router_topk: int = 2
-    moe_layer_freq: int = 1
+    num_experts: int | None = None  # experts per MoE layer; None: the dense model
+    moe_router_topk: int = 2  # experts each token is routed to (1 or 2)
+    moe_layer_freq: int = 1  # every Nth layer (0, N, 2N, ...) is an MoE layer
     moe_capacity_factor: float | None = None  # None: dropless
     moe_aux_loss_coeff: float = 0.01  # load-balancing loss weight, added to the training loss
     moe_z_loss_coeff: float = 0.0  # router z-loss weight
@@ -83,6 +91,7 @@ class LlamaConfig(ModelConfig):
     moe_router_score_order: str = "softmax_topk"
 
     def __post_init__(self):
+        self.check_positions()
         heads = self.num_attention_heads
         if self.hidden_size % heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {heads}")
@@ -122,35 +131,11 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tens
     return x * cos + torch.cat([-second, first], dim=-1) * sin
 
 
-class GroupedAttentionCore(nn.Module):
-    """softmax(q k^T / sqrt(d), causal) v with dropout, where q has a multiple of k's heads (each
-    key/value head serves consecutive query heads: scaled_dot_product_attention's enable_gqa).
-    No parameters: its own module so that selective recomputation can recompute it alone. `layer`
-    (in the whole model) keys its masks in the layout-invariant dropout mode."""
-
-    def __init__(self, dropout: float, layer: int = 0):
-        super().__init__()
-        self.dropout = dropout
-        self.layer = layer
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        past = k.shape[2] - q.shape[2]  # keys cached from earlier steps (generation)
-        mask = None
-        if past and q.shape[2] > 1:  # query i sees the cache and the first i + 1 new keys
-            mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(diagonal=past)
-        if self.training and self.dropout and keyed.layout_invariant():  # per (sample, global head) masks
-            return keyed.attention(q, k, v, self.dropout, self.layer, attn_mask=mask, is_causal=past == 0)
-        with get_rng_tracker().fork():  # attention dropout differs between the TP ranks' heads
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=past == 0,
-                                                  dropout_p=self.dropout if self.training else 0.0,
-                                                  enable_gqa=q.shape[1] != k.shape[1])
-
-
 class GroupedQueryAttention(nn.Module):
     """Causal self-attention with rotary positions and num_query_groups key/value heads; this TP
     rank computes its share of the query heads (see the module docstring for the key/value heads)."""
 
-    def __init__(self, config: LlamaConfig, tp_group=None, layer: int = 0):
+    def __init__(self, config: LlamaConfig, tp_group=None, layer: int = 0, speed: SpeedOptions = PLAIN):
         super().__init__()
         tp_size, sp = config.tensor_model_parallel_size, config.sequence_parallel
         heads, groups = config.num_attention_heads, config.num_query_groups
@@ -163,16 +148,16 @@ class GroupedQueryAttention(nn.Module):
         self.rope_theta = config.rope_theta
         kv_size = 2 * groups * self.head_dim
         self.q = tp.ColumnParallelLinear(config.hidden_size, heads * self.head_dim, tp_group, bias=False,
-                                         init_method=normal_init(0.02), sequence_parallel=sp)
+                                         init_method=normal_init(config.init_method_std), sequence_parallel=sp)
         if self.split:  # [K; V] rows, stride 2: each TP rank holds the K and V rows of its groups
             self.kv = tp.ColumnParallelLinear(config.hidden_size, kv_size, tp_group, bias=False, stride=2,
-                                              init_method=normal_init(0.02), sequence_parallel=sp)
+                                              init_method=normal_init(config.init_method_std), sequence_parallel=sp)
         else:
             self.kv = tp.ReplicatedLinear(config.hidden_size, kv_size, tp_group, bias=False,
-                                          init_method=normal_init(0.02), sequence_parallel=sp)
-        self.core = GroupedAttentionCore(config.dropout, layer)
+                                          init_method=normal_init(config.init_method_std), sequence_parallel=sp)
+        self.core = AttentionCore(config.dropout, layer, recompute=speed.attention)  # causal, grouped-query
         self.proj = tp.RowParallelLinear(heads * self.head_dim, config.hidden_size, tp_group, bias=False,
-                                         init_method=normal_init(0.02 / math.sqrt(2 * config.num_layers)),
+                                         init_method=normal_init(config.output_init_std),
                                          sequence_parallel=sp)
 
     def _heads(self, t: torch.Tensor, count: int) -> torch.Tensor:
@@ -205,9 +190,10 @@ class SwiGLU(nn.Module):
         super().__init__()
         sp = config.sequence_parallel
         self.fc = tp.ColumnParallelLinear(config.hidden_size, 2 * config.ffn_hidden_size, tp_group, bias=False,
-                                          stride=2, init_method=normal_init(0.02), sequence_parallel=sp)
+                                          stride=2, init_method=normal_init(config.init_method_std),
+                                          sequence_parallel=sp)
         self.proj = tp.RowParallelLinear(config.ffn_hidden_size, config.hidden_size, tp_group, bias=False,
-                                         init_method=normal_init(0.02 / math.sqrt(2 * config.num_layers)),
+                                         init_method=normal_init(config.output_init_std),
                                          sequence_parallel=sp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -220,28 +206,28 @@ class Block(nn.Module):
     `layer` of an MoE config has a megazero.moe.MoELayer of SwiGLU experts as its mlp (Mixtral's
     shape; experts split over ep_group)."""
 
-    def __init__(self, config: LlamaConfig, tp_group=None, layer: int = 0, ep_group=None):
+    def __init__(self, config: LlamaConfig, tp_group=None, layer: int = 0, ep_group=None,
+                 speed: SpeedOptions = PLAIN):
         super().__init__()
-        sp = config.sequence_parallel
-        self.norm_1 = tp.RMSNorm(config.hidden_size, config.norm_epsilon, tp_group, sp)
-        self.attn = GroupedQueryAttention(config, tp_group, layer)
-        self.norm_2 = tp.RMSNorm(config.hidden_size, config.norm_epsilon, tp_group, sp)
-        moe = moe_layer_config(config, layer, "swiglu", 0.02 / math.sqrt(2 * config.num_layers))
+        sp, fused = config.sequence_parallel, speed.fused_kernels
+        self.norm_1 = tp.RMSNorm(config.hidden_size, config.norm_epsilon, tp_group, sp, fused)
+        self.attn = GroupedQueryAttention(config, tp_group, layer, speed)
+        self.norm_2 = tp.RMSNorm(config.hidden_size, config.norm_epsilon, tp_group, sp, fused)
+        moe = moe_layer_config(config, layer, "swiglu", config.output_init_std)
         self.mlp = SwiGLU(config, tp_group) if moe is None else MoELayer(moe, ep_group, tp_group)
-        self.dropout = config.dropout
+        self.dropout = config.hidden_dropout_rate
         self.sequence_parallel = sp
         self.layer = layer  # in the whole model: keys the layout-invariant dropout masks
+        self.recompute = speed.layer
 
     def _dropout(self, x: torch.Tensor, site: int) -> torch.Tensor:
-        if not (self.training and self.dropout):
-            return x
-        if keyed.layout_invariant():  # per-sample masks of (layer, site)
-            return keyed.hidden_dropout(x, self.dropout, self.layer, site, self.sequence_parallel)
-        # sequence-parallel activations are different tokens on each TP rank: draw per-rank masks
-        with get_rng_tracker().fork() if self.sequence_parallel else contextlib.nullcontext():
-            return F.dropout(x, self.dropout, True)
+        return dropout(x, self.dropout, self.training, self.layer, site, self.sequence_parallel)
 
     def forward(self, x: torch.Tensor, kv_cache: dict | None = None) -> torch.Tensor:
+        return self.recompute(self.compute, x, kv_cache)
+
+    def compute(self, x: torch.Tensor, kv_cache: dict | None = None) -> torch.Tensor:
+        """The layer itself (forward adds only the recomputation)."""
         x = x + self._dropout(self.attn(self.norm_1(x), kv_cache), keyed.ATTENTION_OUTPUT)
         return x + self._dropout(self.mlp(self.norm_2(x)), keyed.MLP_OUTPUT)
 
@@ -252,11 +238,13 @@ class Llama(StageContract, CausalLMGeneration, nn.Module):
     tp_group, layers, pre_process, post_process: as GPT's (models/gpt.py). The output layer is
     `lm_head` (column-parallel over the vocabulary), or the word embedding `wte` itself when
     untie_embeddings_and_output_weights is False (then a pipelined last stage holds a tied copy).
-    ep_group: the expert-parallel group of the MoE layers, as GPT's.
+    ep_group, speed_options: as GPT's.
     """
 
+    example_batch = staticmethod(causal_lm_batch)  # what the measured stage split times
+
     def __init__(self, config: LlamaConfig, tp_group=None, layers: range | None = None, pre_process: bool = True,
-                 post_process: bool = True, ep_group=None):
+                 post_process: bool = True, ep_group=None, speed_options: bool = False):
         super().__init__()
         check_tp_group(config, tp_group)
         self.config = config
@@ -264,7 +252,7 @@ class Llama(StageContract, CausalLMGeneration, nn.Module):
         self.layers = layers if layers is not None else range(config.num_layers)
         self.pre_process, self.post_process = pre_process, post_process
         self.tied = not config.untie_embeddings_and_output_weights
-        vocab_init = vocabulary_init(0.02, config.vocab_size)
+        vocab_init = vocabulary_init(config.init_method_std, config.vocab_size)
         # one seed per layer, drawn once: every stage and shard consumes the default generator alike
         base_seed = int(torch.randint(0, 2**31 - 1, (1,), device="cpu"))
         if pre_process or (post_process and self.tied):
@@ -272,12 +260,14 @@ class Llama(StageContract, CausalLMGeneration, nn.Module):
                 self.wte = tp.VocabParallelEmbedding(config.padded_vocab_size, config.hidden_size, tp_group,
                                                      init_method=vocab_init)
         blocks = []
-        for i in self.layers:
+        for position, i in enumerate(self.layers):
+            speed = SpeedOptions.of(config, position) if speed_options else PLAIN
             with seeded(base_seed + 1 + i):
-                blocks.append(Block(config, tp_group, i, ep_group))
+                blocks.append(Block(config, tp_group, i, ep_group, speed))
         self.blocks = nn.ModuleList(blocks)
         if post_process:
-            self.norm_f = tp.RMSNorm(config.hidden_size, config.norm_epsilon, tp_group, config.sequence_parallel)
+            self.norm_f = tp.RMSNorm(config.hidden_size, config.norm_epsilon, tp_group, config.sequence_parallel,
+                                     fused=speed_options and config.fused_kernels)
             if not self.tied:
                 with seeded(base_seed + 1 + config.num_layers):
                     self.lm_head = tp.ColumnParallelLinear(config.hidden_size, config.padded_vocab_size, tp_group,
@@ -296,12 +286,8 @@ class Llama(StageContract, CausalLMGeneration, nn.Module):
         x = self.wte(input_ids)
         if self.config.sequence_parallel:
             x = tp.scatter_to_sequence_parallel_region(x, self.tp_group)
-        if not (self.training and self.config.dropout):
-            return x
-        if keyed.layout_invariant():
-            return keyed.hidden_dropout(x, self.config.dropout, 0, keyed.EMBEDDING, self.config.sequence_parallel)
-        with get_rng_tracker().fork() if self.config.sequence_parallel else contextlib.nullcontext():
-            return F.dropout(x, self.config.dropout, True)
+        return dropout(x, self.config.hidden_dropout_rate, self.training, 0, keyed.EMBEDDING,
+                       self.config.sequence_parallel)
 
     def head(self, x: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
         """Final RMSNorm and output layer: mean loss given labels, else the logits of the vocab_size

@@ -8,24 +8,25 @@ minimum: a good `cycle_max_lr` for `OneCycle`. Other flags are pretrain_gpt.py's
     python scripts/lr_range_test.py --data-path data/gpt2/shakespeare --steps 100 --output-dir runs/lr_range
 """
 
-from __future__ import annotations
-
 import argparse
 import math
 import os
 
 import numpy as np
 import torch
+from pydantic import Field
 from torch.utils.tensorboard import SummaryWriter
 
 import megazero
 from megazero import parallel_state, training
+from megazero.config.cli import model_config_of, model_section, parse_run
+from megazero.config.run import RunConfig, SampleSection
 from megazero.data import GPTDataset
 from megazero.data.vocab_check import check_token_ids
 from models.gpt import GPTConfig
 from models.parallelize import parallelize
 
-CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+RUN_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "run_gpt2_cpu.json")
 
 
 def smooth(losses: list[float], beta: float = 0.9) -> np.ndarray:
@@ -65,6 +66,16 @@ def plot(lrs: list[float], losses: list[float], suggestion: float, path: str) ->
     plt.close(fig)
 
 
+GPTModel = model_section(GPTConfig)
+
+
+class RangeTestRun(RunConfig):
+    """pretrain_gpt.py's run tree (its sample flags accepted, though nothing is sampled)."""
+
+    model: GPTModel = Field(default_factory=GPTModel)
+    sample: SampleSection = SampleSection()
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--min-lr", type=float, default=1e-5)
@@ -72,24 +83,20 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--output-dir", default="runs/lr_range_test")
     own, rest = parser.parse_known_args(argv)
-    recipe = training.recipe_parser(__doc__, model_config=os.path.join(CONFIGS, "gpt2_cpu.json"),
-                                    engine_config_path=os.path.join(CONFIGS, "ds_gpt2_cpu.json"))
-    training.add_sampling_arguments(recipe)  # accepted, as pretrain_gpt.py's flags are, though nothing is sampled
-    return own, recipe.parse_args(rest + ["--train-iters", str(own.steps)])
+    return own, parse_run(RangeTestRun, rest + ["--train-iters", str(own.steps)], RUN_FILE, __doc__)
 
 
 def main(argv=None) -> dict:
-    own, args = parse_args(argv)
-    _, grid, tokenizer = training.start_run(args)
-    model = parallelize(GPTConfig.from_json(args.model_config, vocab_size=tokenizer.vocab_size,
-                                            **training.model_overrides(args)), grid)
+    own, run = parse_args(argv)
+    _, grid, tokenizer = training.start_run(run)
+    model = parallelize(model_config_of(run, GPTConfig, tokenizer.vocab_size), grid)
 
     def make(indexed, split: str) -> GPTDataset:  # each dataset checked (a blend has no one .indexed)
-        check_token_ids(indexed, tokenizer.vocab_size, args.tokenizer_model)
-        return GPTDataset(indexed, model.config.seq_length, seed=args.seed)
+        check_token_ids(indexed, tokenizer.vocab_size, run.data.tokenizer_model)
+        return GPTDataset(indexed, model.config.seq_length, seed=run.seed)
 
-    train = training.build_datasets(args, make).train
-    config = training.engine_config(args)
+    train = training.build_datasets(run, make).train
+    config = dict(run.engine)
     config.pop("tensorboard", None)
     config["scheduler"] = {"type": "LRRangeTest", "params": {
         "lr_range_test_min_lr": own.min_lr, "lr_range_test_step_size": 1,

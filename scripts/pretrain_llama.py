@@ -1,67 +1,91 @@
-"""Pretrain a Llama (models/llama.py) with the megazero engine: pretrain_gpt.py's flags and loop,
-plus Megatron's Llama flags --num-query-groups, --rope-theta, --ffn-hidden-size and
---untie-embeddings-and-output-weights.
+"""Pretrain a Llama (models/llama.py) with the megazero engine: pretrain_gpt.py's run config and loop
+with Llama's model section (Megatron's --num-query-groups, --rope-theta or --rotary-base,
+--ffn-hidden-size, --untie-embeddings-and-output-weights).
 
-Untied embeddings are this recipe's default (configs/llama_cpu.json), so
---untie-embeddings-and-output-weights is accepted for Megatron command lines and changes nothing
-there; --tie-embeddings-and-output-weights makes the output layer the word embedding (Megatron's
-own default). See scripts/pretrain_llama.sh for `make pretrain-llama`.
+Untied embeddings are this recipe's default (configs/llama_cpu.json);
+--tie-embeddings-and-output-weights makes the output layer the word embedding (Megatron's own
+default). See scripts/pretrain_llama.sh for `make pretrain-llama`.
 """
-
-from __future__ import annotations
 
 import os
 
+from pydantic import Field
+
 from megazero import training
-from megazero.causal_lm_recipe import causal_lm_run
+from megazero.causal_lm_recipe import causal_lm_data, end_of_run
+from megazero.config.cli import model_config_of, model_section, parse_run
+from megazero.config.run import RunConfig, SampleSection
 from megazero.profiling import gpt_flops_per_token
 from models.common import count_active_parameters, count_parameters
 from models.llama import Llama, LlamaConfig
 from models.parallelize import parallelize
 
-CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+RUN_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "run_llama_cpu.json")
+LlamaModel = model_section(LlamaConfig)
 
 
-def parse_args(argv=None):
-    """The shared recipe flags (defaults: the CPU Llama config), the Llama flags and the sample's."""
-    p = training.recipe_parser(__doc__, model_config=os.path.join(CONFIGS, "llama_cpu.json"),
-                               engine_config_path=os.path.join(CONFIGS, "ds_gpt2_cpu.json"))
-    p.add_argument("--num-query-groups", type=int, help="key/value heads (1: multi-query attention)")
-    p.add_argument("--rope-theta", type=float, help="base of the rotary embedding's frequencies")
-    p.add_argument("--ffn-hidden-size", type=int, help="SwiGLU width")
-    tie = p.add_mutually_exclusive_group()
-    tie.add_argument("--untie-embeddings-and-output-weights", dest="untie", action="store_const", const=True,
-                     help="an output layer of its own (this recipe's default)")
-    tie.add_argument("--tie-embeddings-and-output-weights", dest="untie", action="store_const", const=False,
-                     help="the output layer is the word embedding")
-    training.add_moe_arguments(p)
-    training.add_sampling_arguments(p)
-    return p.parse_args(argv)
+class LlamaRun(RunConfig):
+    """The Llama recipe's run: the shared sections, Llama's model section and the end-of-run sample."""
+
+    model: LlamaModel = Field(default_factory=LlamaModel)
+    sample: SampleSection = SampleSection()
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    rank, grid, tokenizer = training.start_run(args)
+def main(argv: list[str] | None = None) -> dict:
+    run = parse_run(LlamaRun, argv, RUN_FILE, __doc__)
+    rank, grid, tokenizer = training.start_run(run)
 
-    # the model: --model-config with the size, Llama, recompute, parallelism and MoE flags; this rank's part
-    overrides = {**training.model_overrides(args), **training.moe_overrides(args),
-                 "num_query_groups": args.num_query_groups, "rope_theta": args.rope_theta,
-                 "ffn_hidden_size": args.ffn_hidden_size, "untie_embeddings_and_output_weights": args.untie}
-    config = LlamaConfig.from_json(args.model_config, vocab_size=tokenizer.vocab_size, **overrides)
-    model = parallelize(config, grid, args.num_layers_per_virtual_pipeline_stage, training.partition_method(args),
-                        num_microbatches=training.microbatches_per_step(args))
-    args.seq_length = config.seq_length
+    # the model: this rank's part of it (tensor shard, pipeline stage), and its size for the logs
+    config = model_config_of(run, LlamaConfig, tokenizer.vocab_size)
+    pipeline = training.pipeline_options(run)
+    model = parallelize(config, grid, **pipeline)
     num_params = count_parameters(Llama, config.single_process())  # the same at every layout
     active = count_active_parameters(Llama, config.single_process())  # MoE: the experts a token visits
-    flops = gpt_flops_per_token(active, config.num_layers, config.hidden_size, args.seq_length)
+    flops = gpt_flops_per_token(active, config.num_layers, config.hidden_size, config.seq_length)
 
-    # the data (--data-path: one prefix, or weights and prefixes to blend), validation and the end of the run
-    run = causal_lm_run(args, model, tokenizer, grid, rank)
+    # the data (--data-path: one prefix, or weights and prefixes to blend) and the engine
+    data = causal_lm_data(run, tokenizer)
+    engine, loader = training.build_engine(run, model, data.splits.train)
+    training.resume(engine, run.checkpoint, rank)
+    peak = training.peak_flops(engine, run, model)
+    if rank == 0:
+        groups = f"{config.num_query_groups} key/value groups for {config.num_attention_heads} heads"
+        print(training.header(engine, grid, "Llama", num_params, f"{groups}, peak {peak / 1e9:.1f} GFLOP/s per rank",
+                              active), flush=True)
+    training.publish_run_config(run, engine, rank)
+    split = training.pipeline_split(model, grid, pipeline["partition_method"], engine.config.pipeline.p2p_transport)
+    if rank == 0 and split:
+        print(split, flush=True)
 
-    groups = f"{config.num_query_groups} key/value groups for {config.num_attention_heads} heads"
-    return training.train(args, model, run.data.train, grid=grid, name="Llama", num_params=num_params,
-                          flops_per_token=flops, validate=run.validate, finish=run.finish, active_params=active,
-                          details=lambda peak: f"{groups}, peak {peak / 1e9:.1f} GFLOP/s per rank")
+    # the loop: a step, its log line, validation, a checkpoint, the stop checks
+    schedule, save = run.schedule, run.checkpoint.save
+    rampup = training.batch_rampup(run, engine)
+    log = training.ProgressLog(engine, schedule, config.seq_length, flops, peak, rank, show_batch=rampup is not None)
+    stop = training.RunStop(schedule.exit_duration_in_mins)
+    batches = iter(loader)
+    val_loss, reason = None, None
+    try:
+        while engine.global_steps < schedule.train_iters:
+            if rampup is not None:
+                engine.set_train_batch_size(rampup.batch_size(engine.global_samples))
+            loss = engine.train_batch(batches)
+            log.record(loss.item())
+            it, reason = engine.global_steps, stop.reason()
+            last = it == schedule.train_iters or reason is not None
+            with log.paused():  # iteration time excludes evaluation and saving
+                # a run stopped by its time budget still ends validated; a signal leaves no time for it
+                if reason != "signal" and (it % schedule.eval_interval == 0 or last):
+                    val_loss = data.validate(engine, schedule.eval_iters, rank)
+                if save and (it % schedule.save_interval == 0 or last):
+                    training.save_or_stop(engine, run, it, rank, last=last)
+            if reason:
+                stop.announce(reason, it, rank)
+                break
+        result = end_of_run(engine, model, data, run, tokenizer, grid, rank, val_loss, reason)
+        training.finish_run(engine)
+    finally:
+        stop.close()
+    return result
 
 
 if __name__ == "__main__":

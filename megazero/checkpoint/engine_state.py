@@ -144,6 +144,10 @@ def _model_state(engine, client_state: dict, names: dict[int, str]) -> dict:
         "global_steps": engine.global_steps,
         "global_samples": engine.global_samples,
         "micro_steps": engine.micro_steps,
+        # micro-steps taken into the current optimizer step (0 at a boundary): with a batch ramp-up the
+        # accumulation steps change, so micro_steps alone does not say it
+        "micro_steps_into_step": (engine.micro_steps - engine._accumulation_origin)
+        % engine.gradient_accumulation_steps(),
         "skipped_steps": engine.skipped_steps,
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
         "loss_scaler": engine.loss_scaler.state_dict(),
@@ -315,7 +319,10 @@ def load_engine_checkpoint(engine, load_dir, tag, load_optimizer_states: bool, l
     _restore_engine_state(engine, state, load_lr_scheduler_states)
     if not same_layout:  # another layout may accumulate another number of micro-batches per step
         engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
-    engine._forwards_since_step = engine.micro_steps % engine.gradient_accumulation_steps()
+    into_step = state.get("micro_steps_into_step", engine.micro_steps % engine.gradient_accumulation_steps()) \
+        if same_layout else 0
+    engine._accumulation_origin = engine.micro_steps - into_step
+    engine._forwards_since_step = into_step
     if state.get("rng_seed") is not None:  # the dropout streams' seed: layout-independent
         engine.rng_streams.seed = int(state["rng_seed"])
     rng_path = os.path.join(path, rng_file(engine.global_rank))

@@ -11,6 +11,7 @@ instead.
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from collections.abc import Callable
@@ -77,6 +78,24 @@ def _names(prefixes: list[str]) -> list[str]:
     """Short unique names for the datasets (file names; numbered where two are the same)."""
     names = [os.path.basename(p) for p in prefixes]
     return [n if names.count(n) == 1 else f"{n}#{i}" for i, n in enumerate(names)]
+
+
+def default_tokenizer(prefix: str) -> str:
+    """The tokenizer of data prefix P: P_tokenizer.model, else the one P_stats.json names (an output
+    of --output-per-input or --partitions), else that of P without _text_document/_text_sentence
+    (and then without _train/_valid/_test)."""
+    candidates = [prefix] + [prefix[:-len(s)] for s in ("_text_document", "_text_sentence") if prefix.endswith(s)]
+    # P_train_text_document given whole (Megatron's one-dataset prefix, cut by --split): P's tokenizer
+    candidates += [c[:-len(s)] for c in candidates[1:] for s in ("_train", "_valid", "_test") if c.endswith(s)]
+    for p in candidates:
+        if os.path.isfile(p + "_tokenizer.model"):
+            return p + "_tokenizer.model"
+        if os.path.isfile(p + "_stats.json"):
+            with open(p + "_stats.json") as f:
+                named = json.load(f).get("tokenizer_model")
+            if named and os.path.isfile(named):
+                return named
+    return prefix + "_tokenizer.model"
 
 
 def first_prefix(args) -> str | None:

@@ -363,12 +363,83 @@ class LRRangeTest(_Schedule):
         return [lr * (1 + self.step_rate * interval) for lr in self.min_lrs]
 
 
+class MegatronLRParams(Section):
+    """MegatronLR: Megatron-LM's schedule, in consumed samples (the recipes' --lr-* flags write it)."""
+
+    decay_style: Literal["constant", "linear", "cosine", "inverse-square-root"] = Field(
+        "linear", description="the decay after warm-up")
+    min_lr: Float = Field(0.0, ge=0, description="the LR the decay ends at, and holds after it")
+    warmup_init_lr: Float = Field(0.0, ge=0, description="the LR warm-up starts from")
+    warmup_num_samples: Int = Field(0, ge=0, description="samples of the linear warm-up to the optimizer's LR")
+    decay_num_samples: Int = Field(ge=1, description="samples after which the LR is min_lr")
+    samples_per_step: Int = Field(ge=1, description="samples each optimizer step consumes (the global batch; the "
+                                                    "engine's set_train_batch_size changes it)")
+
+
+class MegatronLR(_Schedule):
+    """Megatron-LM's learning rate: linear warm-up from warmup_init_lr to the optimizer's LR over
+    warmup_num_samples, then constant, linear, cosine or inverse-square-root decay to min_lr at
+    decay_num_samples, then min_lr. Counted in samples, as Megatron counts them: `step()` adds
+    samples_per_step, so a batch ramp-up (which changes it) slows the schedule as it does there."""
+
+    params_model: ClassVar[type[Section]] = MegatronLRParams
+
+    def __init__(self, optimizer: torch.optim.Optimizer, decay_num_samples: int, samples_per_step: int,
+                 decay_style: str = "linear", min_lr: float = 0.0, warmup_init_lr: float = 0.0,
+                 warmup_num_samples: int = 0, last_batch_iteration: int = -1):
+        self.optimizer = optimizer
+        self.decay_style, self.min_lr, self.warmup_init_lr = decay_style, min_lr, warmup_init_lr
+        self.warmup_num_samples, self.decay_num_samples = warmup_num_samples, decay_num_samples
+        self.samples_per_step = samples_per_step
+        self.consumed_samples = (last_batch_iteration + 1) * samples_per_step
+        self.max_lrs = [group["lr"] for group in optimizer.param_groups]
+        self.last_batch_iteration = last_batch_iteration
+        self._last_lr = _set_lrs(optimizer, self.get_lr())
+
+    def _lr(self, max_lr: float) -> float:
+        n, warmup, decay = self.consumed_samples, self.warmup_num_samples, self.decay_num_samples
+        if warmup > 0 and n <= warmup:
+            return self.warmup_init_lr + (max_lr - self.warmup_init_lr) * n / warmup
+        if self.decay_style == "constant":
+            return max_lr
+        if n > decay:
+            return self.min_lr
+        if self.decay_style == "inverse-square-root":
+            return max(self.min_lr, max_lr * math.sqrt(max(warmup, 1)) / math.sqrt(max(n, 1)))
+        ratio = (n - warmup) / max(1, decay - warmup)
+        coeff = 1.0 - ratio if self.decay_style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        return self.min_lr + coeff * (max_lr - self.min_lr)
+
+    def get_lr(self) -> list[float]:
+        """Each param group's LR at the samples consumed so far."""
+        return [self._lr(max_lr) for max_lr in self.max_lrs]
+
+    def step(self, last_batch_iteration: int | None = None) -> None:
+        """One optimizer step of samples_per_step samples (or, given `last_batch_iteration`, that many
+        steps of samples_per_step from the start)."""
+        if last_batch_iteration is None:
+            self.consumed_samples += self.samples_per_step
+        else:
+            self.consumed_samples = (last_batch_iteration + 1) * self.samples_per_step
+        super().step(last_batch_iteration)
+
+    def state_dict(self) -> dict:
+        """The iteration and the samples consumed (which differ from iterations x batch under a ramp-up)."""
+        return {"last_batch_iteration": self.last_batch_iteration, "consumed_samples": self.consumed_samples}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the iteration and the samples consumed, and re-apply their LRs."""
+        self.consumed_samples = int(state["consumed_samples"])
+        super().load_state_dict(state)
+
+
 SCHEDULERS: dict[str, type] = {
     "WarmupLR": WarmupLR,
     "WarmupDecayLR": WarmupDecayLR,
     "WarmupCosineLR": WarmupCosineLR,
     "OneCycle": OneCycle,
     "LRRangeTest": LRRangeTest,
+    "MegatronLR": MegatronLR,
 }
 
 

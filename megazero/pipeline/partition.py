@@ -26,10 +26,10 @@ def layer_forward_flops(hidden: int, seq: int, linear_params: int) -> int:
     return 2 * linear_params * seq + 4 * hidden * seq * seq
 
 
-def head_forward_flops(hidden: int, seq: int, vocab: int, extra_linear_params: int = 0) -> int:
-    """Forward FLOPs of the output layer over the vocabulary (2 x hidden x vocab per token), its
-    softmax cross-entropy (~5 per logit) and any other head linears, on one sequence."""
-    return (2 * (hidden * vocab + extra_linear_params) + 5 * vocab) * seq
+def head_forward_flops(seq: int, vocab: int, linear_params: int) -> int:
+    """Forward FLOPs of the head on one sequence: 2 per weight of its linears (the output layer
+    over the vocabulary among them) per token, and the softmax cross-entropy (~5 per logit)."""
+    return (2 * linear_params + 5 * vocab) * seq
 
 
 def balanced_stage_layers(layer_weights: list[int], num_stages: int, first_extra: int = 0,

@@ -17,9 +17,9 @@ so any micro-batch size, DP, TP, SP, PP, v or EP layout draws identical masks fo
   whole sequence and hidden size, the same on every TP rank; under sequence parallelism a rank
   draws the whole sequence's mask and keeps its slice of it;
 - attention-probability dropout: one mask per (sample, global head); a TP rank draws its own heads'
-  (global head = TP rank x local heads + local head). The attention is then computed here as
-  softmax(q k^T / sqrt(d)) with the mask, times v (torch's fused kernel draws its own random
-  numbers, which cannot be keyed this way).
+  (global head = TP rank x local heads + local head), and the models' attention core computes
+  softmax(q k^T / sqrt(d)) with those masks, times v, written out (softmax_attention: torch's
+  fused kernel draws its own random numbers, which cannot be keyed this way).
 Masks are drawn in fp32 (bernoulli with the keep probability) whatever the compute dtype, so that
 fp32 and 16-bit runs drop the same elements; kept elements are scaled by 1 / (1 - p).
 The model keys each site by the layer that holds it (a constructor argument, not a running
@@ -31,8 +31,9 @@ keys are the engine's: the step, and where a micro-batch's rows sit in the globa
 only the engine knows (its micro-batch size, the micro-batch's number in the step, the DP rank;
 the pipeline schedule's micro-batch). The choice is about how a run is laid out and compared, not
 about the model: its parameters, checkpoints, export and generation are the same either way, and
-a model used without the engine (evaluation, generation, tests) draws as before. The models only
-ask layout_invariant() at each site, and take the default path when it is False, unchanged.
+a model used without the engine (evaluation, generation, tests) draws the default mode's masks.
+The models ask layout_invariant() at each dropout site (models/common.py: `dropout` and the
+attention core) and take the default path when it is False.
 """
 
 from __future__ import annotations
@@ -95,13 +96,25 @@ def hidden_dropout(x: torch.Tensor, p: float, layer: int, site: int, sequence_pa
     return x * mask[:, start:start + local].to(x.dtype)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, layer: int,
-              attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d) [masked]) v with dropout on the probabilities, one mask per (sample,
-    global head). q: [batch, local heads, seq_q, d]; k, v may have fewer heads (grouped-query: each
-    serves consecutive query heads). attn_mask: bool (True: attend) or additive, broadcastable to
-    [batch, heads, seq_q, seq_k]; is_causal: query i sees keys 0..i."""
+def attention_dropout_mask(q: torch.Tensor, seq_k: int, p: float, layer: int) -> torch.Tensor:
+    """The dropout masks of the attention probabilities of q's heads over `seq_k` keys, keep
+    probability 1 - p, kept elements 1 / (1 - p): [batch, local heads, seq_q, seq_k] fp32, one mask
+    per (sample, global head). q: [batch, local heads, seq_q, d] (this TP rank's heads)."""
     keys = _keys_for(q)
+    heads, seq_q = q.shape[1], q.shape[2]
+    first_head = keys.tp_rank * heads
+    seeds = [stream_seed(keys.seed, _ATTENTION_STREAM, keys.step, keys.first_sample + row, layer, first_head + head)
+             for row in range(keys.rows) for head in range(heads)]
+    return _scaled_mask((keys.rows, heads, seq_q, seq_k), p, q.device, seeds)
+
+
+def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                      is_causal: bool = False, dropout_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) [masked]) v written out, the probabilities multiplied by
+    `dropout_mask` (attention_dropout_mask's): what torch's fused kernel computes, with masks it
+    cannot take. q: [batch, heads, seq_q, d]; k, v may have fewer heads (grouped-query: each serves
+    consecutive query heads). attn_mask: bool (True: attend) or additive, broadcastable to
+    [batch, heads, seq_q, seq_k]; is_causal: query i sees keys 0..i."""
     heads, seq_q, seq_k = q.shape[1], q.shape[2], k.shape[2]
     if k.shape[1] != heads:
         k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
@@ -112,11 +125,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, layer
     if attn_mask is not None:
         scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
     probs = torch.softmax(scores, dim=-1)
-    first_head = keys.tp_rank * heads
-    seeds = [stream_seed(keys.seed, _ATTENTION_STREAM, keys.step, keys.first_sample + row, layer, first_head + head)
-             for row in range(keys.rows) for head in range(heads)]
-    mask = _scaled_mask((keys.rows, heads, seq_q, seq_k), p, q.device, seeds)
-    return torch.matmul(probs * mask.to(probs.dtype), v)
+    if dropout_mask is not None:
+        probs = probs * dropout_mask.to(probs.dtype)
+    return torch.matmul(probs, v)
 
 
-__all__ = ["ATTENTION_OUTPUT", "EMBEDDING", "MLP_OUTPUT", "attention", "hidden_dropout", "layout_invariant"]
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, layer: int,
+              attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
+    """softmax_attention with this mode's dropout on the probabilities (attention_dropout_mask of
+    `layer`): the models' attention core (models/common.py) computes the same from the two."""
+    return softmax_attention(q, k, v, attn_mask, is_causal, attention_dropout_mask(q, k.shape[2], p, layer))
+
+
+__all__ = ["ATTENTION_OUTPUT", "EMBEDDING", "MLP_OUTPUT", "attention", "attention_dropout_mask", "hidden_dropout",
+           "layout_invariant", "softmax_attention"]

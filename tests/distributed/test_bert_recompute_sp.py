@@ -114,15 +114,20 @@ def test_recipe_flags_reach_the_model():
     sys.path.insert(0, os.path.join(REPO, "scripts"))
     import pretrain_bert
 
-    args = pretrain_bert.parse_args(["--data-path", "unused", "--recompute-granularity", "full",
-                                     "--recompute-num-layers", "2", "--sequence-parallel",
-                                     "--tensor-model-parallel-size", "2"])
-    config = pretrain_bert.model_config(args, 8000)
+    from megazero.config.cli import model_config_of, parse_run
+
+    def config_of(*flags: str) -> BertConfig:
+        run = parse_run(pretrain_bert.BertRun, ["--data-path", "unused", *flags], pretrain_bert.RUN_FILE)
+        return model_config_of(run, BertConfig, 8000)
+
+    config = config_of("--recompute-granularity", "full", "--recompute-num-layers", "2", "--sequence-parallel",
+                       "--tensor-model-parallel-size", "2")
     assert (config.recompute_granularity, config.recompute_num_layers, config.sequence_parallel,
             config.tensor_model_parallel_size) == ("full", 2, True, 2)
-    defaults = pretrain_bert.model_config(pretrain_bert.parse_args(["--data-path", "unused"]), 8000)
+    defaults = config_of()
     assert (defaults.recompute_granularity, defaults.recompute_num_layers, defaults.sequence_parallel) == (
         None, None, False)
+    assert config_of("--pre-layer-norm").post_layer_norm is False and defaults.post_layer_norm is True
 
 
 def test_recompute_num_layers_without_full_is_an_error():

@@ -20,7 +20,6 @@ import io
 import json
 import os
 
-import pytest
 import torch
 import torch.distributed as dist
 
@@ -135,7 +134,7 @@ def _generate_script_and_recipe_sample(save_dir: str) -> dict:
     stage = parallelize(config, grid)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        training.print_sample(stage, tokenizer, args, grid, dist.get_rank())
+        training.print_sample(stage, tokenizer, args, args.seed, grid, dist.get_rank())
     assert printed.getvalue() == ("----- sample -----\n" + expected + "\n------------------\n"
                                   if dist.get_rank() == 0 else ""), printed.getvalue()
     assert stage.training  # back in training mode for the rest of the run
@@ -193,23 +192,22 @@ def test_virtual_stage_key_picks_the_chunks_and_checks_the_model(pools):
         in errors[1], errors
 
 
-def test_virtual_stage_flag_and_key_agree_or_fail_naming_both(tmp_path, corpus_prefix):
+def test_virtual_stage_flag_over_the_key_and_the_printed_config_says_so(tmp_path, corpus_prefix):
     from megazero import training
-    from megazero.config import ConfigError
-    from scripts.pretrain_gpt import parse_args
+    from megazero.config.cli import describe, parse_run
+    from scripts.pretrain_gpt import RUN_FILE, GPTRun
 
     path = tmp_path / "ds.json"
     with open(os.path.join(REPO, "configs", "ds_gpt2_cpu.json")) as f:
         raw = json.load(f)
     path.write_text(json.dumps({**raw, "pipeline": {"num_layers_per_virtual_stage": 2}}))
     base = ["--data-path", corpus_prefix, "--deepspeed_config", str(path)]
-    assert training.virtual_stage_layers(parse_args(base)) == 2  # the key alone
-    agree = parse_args(base + ["--num-layers-per-virtual-pipeline-stage", "2"])
-    assert training.engine_config(agree)["pipeline"] == {"num_layers_per_virtual_stage": 2}
-    flag_only = parse_args(["--data-path", corpus_prefix, "--num-layers-per-virtual-pipeline-stage", "3"])
-    assert training.virtual_stage_layers(flag_only) == 3
-    with pytest.raises(ConfigError, match=r"--num-layers-per-virtual-pipeline-stage 1 and "
-                                          r"'pipeline.num_layers_per_virtual_stage' 2 .* disagree"):
-        training.engine_config(parse_args(base + ["--num-layers-per-virtual-pipeline-stage", "1"]))
-    with pytest.raises(SystemExit, match="disagree"):
-        training.virtual_stage_layers(parse_args(base + ["--num-layers-per-virtual-pipeline-stage", "1"]))
+    assert training.pipeline_options(parse_run(GPTRun, base, RUN_FILE))["num_layers_per_virtual_stage"] == 2
+    flag = parse_run(GPTRun, base + ["--num-layers-per-virtual-pipeline-stage", "1"], RUN_FILE)
+    assert training.pipeline_options(flag)["num_layers_per_virtual_stage"] == 1
+    assert flag.engine["pipeline"] == {"num_layers_per_virtual_stage": 1}
+    assert ("pipeline.num_layers_per_virtual_stage = 1 from --num-layers-per-virtual-pipeline-stage (the engine "
+            "JSON's: 2)") in describe(flag)
+    flag_only = parse_run(GPTRun, ["--data-path", corpus_prefix, "--num-layers-per-virtual-pipeline-stage", "3"],
+                          RUN_FILE)
+    assert training.pipeline_options(flag_only)["num_layers_per_virtual_stage"] == 3

@@ -242,12 +242,13 @@ def test_config_block_bounds_and_recipe_flag(tmp_path):
         with open(os.path.join(REPO, "configs", name)) as f:
             assert json.load(f)["watchdog"] == {"enabled": True, "timeout": 60}, name
 
-    from megazero.training import engine_config, recipe_parser
+    from megazero.config.cli import parse_run
+    from megazero.config.run import RunConfig
 
     def watchdog(*flags: str):
-        parser = recipe_parser("test", os.path.join(REPO, "configs", "gpt2_cpu.json"),
-                               os.path.join(REPO, "configs", "ds_gpt2_cpu.json"))
-        return parse_config(engine_config(parser.parse_args(["--data-path", "unused", *flags])), 1).watchdog
+        run = parse_run(RunConfig, ["--data-path", "unused", *flags],
+                        os.path.join(REPO, "configs", "run_gpt2_cpu.json"))
+        return parse_config(run.engine, 1).watchdog
 
     assert (watchdog().enabled, watchdog().timeout) == (True, 60.0)
     assert (watchdog("--watchdog-timeout", "15").enabled, watchdog("--watchdog-timeout", "15").timeout) == (True, 15.0)

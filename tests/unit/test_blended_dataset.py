@@ -8,11 +8,11 @@ import subprocess
 import numpy as np
 import pytest
 
+from megazero.config.run import DataSection
 from megazero.data import GPTDataset, IndexedDataset, write_indexed_dataset
 from megazero.data.blended_dataset import BlendedDataset, build_blend_indices, parse_data_path
 from megazero.data.data_paths import build_splits
 from megazero.data.indexed_dataset import DocumentRange, split_documents
-from megazero.training import recipe_parser
 
 
 def test_blend_proportions_follow_the_weights():
@@ -63,7 +63,7 @@ def test_blended_data_path_builds_a_cached_blend_and_per_dataset_validation(tmp_
     a, b = str(tmp_path / "web"), str(tmp_path / "books")
     _family(a, 50, 0)
     _family(b, 30, 100)
-    args = recipe_parser("", "m.json", "e.json").parse_args(["--data-path", "0.7", a, "0.3", b])
+    args = DataSection(data_path=["0.7", a, "0.3", b]).checked()
     make = lambda indexed, split: GPTDataset(indexed, 8, seed=1, shuffle=split == "train")  # noqa: E731
     data = build_splits(args, "document", make, 1000, {"seed": 1})
     assert isinstance(data.train, BlendedDataset) and sorted(data.valid) == ["books", "web"]
@@ -80,7 +80,7 @@ def test_blended_data_path_builds_a_cached_blend_and_per_dataset_validation(tmp_
     assert d == data.train.source(5)[0] and sample == data.train.source(5)[1] + data.train.per_block[d]
 
     write_indexed_dataset(str(tmp_path / "one"), [np.full(10, i, np.uint16) for i in range(100)], np.uint16)
-    args = recipe_parser("", "m.json", "e.json").parse_args(["--data-path", str(tmp_path / "one"), "--split", "8,1,1"])
+    args = DataSection(data_path=[str(tmp_path / "one")], split="8,1,1").checked()
     data = build_splits(args, "document", lambda indexed, split: indexed, 10)
     assert [(x.first, x.end) for x in (data.train, data.valid["one"], data.test["one"])] == \
         [(0, 80), (80, 90), (90, 100)]
@@ -96,14 +96,11 @@ def test_data_flags_name_themselves_and_an_empty_split_is_reported(tmp_path, cap
     assert parse_data_path(["a", "b"], "--valid-data-path", unweighted=True) == ([0.5, 0.5], ["a", "b"])
     with pytest.raises(ValueError, match="--train-data-path takes one prefix or weight-prefix pairs"):
         parse_data_path(["a", "b"], "--train-data-path")
-    parser = recipe_parser("", "m.json", "e.json")
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--train-data-path", "a", "--valid-data-path", "0.5", "b", "c"])
-    assert "--valid-data-path takes one prefix or weight-prefix pairs" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--valid-data-path takes one prefix or weight-prefix pairs"):
+        DataSection(train_data_path=["a"], valid_data_path=["0.5", "b", "c"]).checked()
 
     write_indexed_dataset(str(tmp_path / "few"), [np.full(10, i, np.uint16) for i in range(40)], np.uint16)
-    args = recipe_parser("", "m.json", "e.json").parse_args(["--data-path", str(tmp_path / "few"),
-                                                             "--split", "969,30,1"])
+    args = DataSection(data_path=[str(tmp_path / "few")], split="969,30,1").checked()
     with pytest.warns(UserWarning, match="gives .*few's test part no document of its 40"):
         data = build_splits(args, "document", lambda indexed, split: indexed, 10)
     assert "few: 40 documents, --split 969,30,1: train 39, valid 1, test 0" in capsys.readouterr().out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -106,12 +107,13 @@ def test_bf16_and_bfloat16_agreeing_is_one_block():
 
 def test_recipe_precision_flag_replaces_either_spelling(tmp_path):
     """--bf16/--fp16 decide the precision even over an engine JSON with the old `bfloat16` block."""
-    from megazero.training import engine_config, recipe_parser
+    from megazero.config.cli import parse_run
+    from megazero.config.run import RunConfig
 
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"train_batch_size": 8, "bfloat16": {"enabled": False}}))
     for flag, expected in (("--bf16", (True, False)), ("--fp16", (False, True))):
-        args = recipe_parser("", "unused.json", "unused.json").parse_args(
-            ["--data-path", "unused", flag, "--deepspeed_config", str(path)])
-        config = parse_config(engine_config(args), 1)
+        run = parse_run(RunConfig, ["--data-path", "unused", flag, "--deepspeed_config", str(path)], os.path.join(
+                        os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "configs", "run_gpt2_cpu.json"))
+        config = parse_config(run.engine, 1)
         assert (config.bf16.enabled, config.fp16.enabled) == expected

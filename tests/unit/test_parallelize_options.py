@@ -1,9 +1,10 @@
-"""What `parallelize` applies to the plain models (models/parallelize.py): recomputation and fused
-kernels. GPT(config) / Bert(config) built directly recompute nothing and run torch's kernels
-whatever the config says; parallelize(config) recomputes what the config asks (the first N layers,
-or the attention cores) and fuses GPT's LayerNorms and bias + GeLU. Neither changes a parameter
-name, the state dict or the model contract's global names, and on the CPU the fused model computes
-exactly the plain one."""
+"""The speed options `parallelize` builds the models with (models/parallelize.py, speed_options=True:
+models.common.SpeedOptions): recomputation and fused kernels. GPT(config) / Bert(config) built
+directly recompute nothing and run torch's kernels whatever the config says; parallelize(config)
+recomputes what the config asks (the first N layers, or the attention cores) and fuses GPT's
+LayerNorms and bias + GeLU, each module choosing at construction, none with a `forward` of its
+own instance. Neither changes a parameter name, the state dict or the model contract's global
+names, and on the CPU the fused model computes exactly the plain one."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from megazero import tensor_parallel as tp
 from megazero.tensor_parallel.random import get_rng_tracker
 from models.bert import Bert, BertConfig
 from models.gpt import GPT, MLP, GPTConfig
-from models.parallelize import FusedBiasGeluMLP, Recomputed, parallelize
+from models.parallelize import parallelize
 
 SHAPE = dict(vocab_size=256, seq_length=16, num_layers=3, hidden_size=32, num_attention_heads=4,
              make_vocab_size_divisible_by=64, dropout=0.1)
@@ -54,11 +55,12 @@ def test_gpt_built_directly_recomputes_nothing_parallelize_recomputes_what_the_c
 
 def test_which_modules_recompute():
     full = _built(parallelize, GPTConfig(**SHAPE, recompute_granularity="full", recompute_num_layers=2))
-    assert [isinstance(b.__dict__.get("forward"), Recomputed) for b in full.blocks] == [True, True, False]
-    assert not any("forward" in b.attn.core.__dict__ for b in full.blocks)
+    assert [b.recompute.enabled for b in full.blocks] == [True, True, False]
+    assert not any(b.attn.core.recompute.enabled for b in full.blocks)
     selective = _built(parallelize, BertConfig(**SHAPE, recompute_granularity="selective"))
-    assert all(isinstance(b.attn.core.__dict__.get("forward"), Recomputed) for b in selective.blocks)
-    assert not any("forward" in b.__dict__ for b in selective.blocks)
+    assert all(b.attn.core.recompute.enabled for b in selective.blocks)
+    assert not any(b.recompute.enabled for b in selective.blocks)
+    assert not any("forward" in m.__dict__ for model in (full, selective) for m in model.modules())
 
 
 def test_no_recompute_without_gradients():
@@ -73,15 +75,14 @@ def test_no_recompute_without_gradients():
         ac.configure()
 
 
-def test_fused_kernels_are_swapped_in_by_parallelize_only():
+def test_fused_kernels_are_chosen_by_the_modules_parallelize_builds():
     fused = _built(parallelize, GPTConfig(**SHAPE))  # fused_kernels defaults to True
     norms = [m for m in fused.modules() if isinstance(m, tp.LayerNorm)]
     assert len(norms) == 2 * SHAPE["num_layers"] + 1 and all(m.fused for m in norms)
-    assert all(type(b.mlp) is FusedBiasGeluMLP for b in fused.blocks)
+    assert all(type(b.mlp) is MLP and b.mlp.fused for b in fused.blocks)
     for model in (_built(GPT, GPTConfig(**SHAPE)), _built(parallelize, GPTConfig(**SHAPE, fused_kernels=False)),
                   _built(parallelize, BertConfig(**SHAPE))):
-        assert not any(m.fused for m in model.modules() if isinstance(m, tp.LayerNorm))
-        assert not any(isinstance(m, FusedBiasGeluMLP) for m in model.modules())
+        assert not any(m.fused for m in model.modules() if isinstance(m, (tp.LayerNorm, MLP)))
     assert all(type(b.mlp) is MLP for b in _built(GPT, GPTConfig(**SHAPE)).blocks)
 
 
