@@ -75,24 +75,26 @@ def pipeline_options(run: RunConfig) -> dict:
             "partition_method": pipeline.partition_method or "parameters", "num_microbatches": micro}
 
 
-def build_engine(run: RunConfig, model: torch.nn.Module, train_data):
+def build_engine(run: RunConfig, model: torch.nn.Module, train_data, lr_scheduler=None):
     """megazero.initialize over `model` (this rank's part) and `train_data` with the run's engine
-    config: (engine, training loader). A bad engine config stops the run with one line naming the
-    file and the key."""
+    config: (engine, training loader). `lr_scheduler`: a schedule of your own, or a callable taking
+    the optimizer (initialize's; None: the engine config's `scheduler`). A bad engine config stops
+    the run with one line naming the file and the key."""
     if torch.cuda.is_available():
         model = model.cuda(torch.cuda.current_device())
     try:
         engine, _, loader, _ = megazero.initialize(model=model, model_parameters=param_groups(model),
                                                    training_data=train_data, config=copy.deepcopy(run.engine),
-                                                   mpu=parallel_state)
+                                                   lr_scheduler=lr_scheduler, mpu=parallel_state)
     except ConfigError as e:
         raise SystemExit(f"[megazero] rank {dist.get_rank()}: engine config {run.engine_file} (with the recipe's "
                          f"flags applied): {e}") from None
     return engine, loader
 
 
-def resume(engine, checkpoint, rank: int) -> None:
-    """Load --load's latest checkpoint where there is one (a first run says so in one line)."""
+def resume(engine, checkpoint, rank: int, train_iters: int) -> None:
+    """Load --load's latest checkpoint where there is one (a first run says so in one line, and a
+    checkpoint already at --train-iters too)."""
     if not checkpoint.load:
         return
     if not os.path.exists(os.path.join(checkpoint.load, "latest")):
@@ -102,6 +104,9 @@ def resume(engine, checkpoint, rank: int) -> None:
     path, _ = engine.load_checkpoint(checkpoint.load, fallback=checkpoint.load_fallback)
     if path and rank == 0:
         print(f"resumed from {path} at iteration {engine.global_steps}", flush=True)
+        if engine.global_steps >= train_iters:
+            print(f"nothing to train: the checkpoint is at iteration {engine.global_steps} and --train-iters is "
+                  f"{train_iters} (raise it, or --load another directory or None to start afresh)", flush=True)
 
 
 def publish_run_config(run: RunConfig, engine, rank: int) -> None:
@@ -401,7 +406,8 @@ class ProgressLog:
             "loss-scale": self.engine.get_loss_scale(), "grad-norm": self.engine.last_grad_norm or 0.0,
             "skipped-iterations": skipped, "nan-iterations": nans,
             "iteration-time": elapsed / iters, "throughput/tokens-per-sec": tokens_per_s,
-            "throughput/tflops-per-rank": tflops_per_rank, "throughput/mfu": mfu, **moe})
+            "throughput/tflops-per-rank": tflops_per_rank, "throughput/mfu": mfu, **moe,
+            **({"batch-size": self.engine.train_batch_size()} if self.show_batch else {})})
         self.losses, self.moe = [], []
         self.window_start = time.perf_counter()
         self._start_window_counts()

@@ -19,14 +19,14 @@ from torch.utils.tensorboard import SummaryWriter
 
 import megazero
 from megazero import parallel_state, training
-from megazero.config.cli import model_config_of, model_section, parse_run
+from megazero.config.cli import CONFIGS, model_config_of, model_section, parse_run
 from megazero.config.run import RunConfig, SampleSection
 from megazero.data import GPTDataset
 from megazero.data.vocab_check import check_token_ids
 from models.gpt import GPTConfig
 from models.parallelize import parallelize
 
-RUN_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "run_gpt2_cpu.json")
+RUN_FILE = os.path.join(CONFIGS, "run_gpt2_cpu.json")  # the recipe's settings; --config replaces it
 
 
 def smooth(losses: list[float], beta: float = 0.9) -> np.ndarray:

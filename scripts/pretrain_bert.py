@@ -13,7 +13,7 @@ import os
 from pydantic import Field
 
 from megazero import training
-from megazero.config.cli import model_config_of, model_section, parse_run
+from megazero.config.cli import CONFIGS, model_config_of, model_section, parse_run
 from megazero.config.run import RunConfig
 from megazero.data.bert_dataset import BertDataset
 from megazero.profiling import gpt_flops_per_token
@@ -21,7 +21,7 @@ from models.bert import Bert, BertConfig
 from models.common import count_parameters
 from models.parallelize import parallelize
 
-RUN_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "run_bert_cpu.json")
+RUN_FILE = os.path.join(CONFIGS, "run_bert_cpu.json")  # the recipe's settings; --config replaces it
 SPECIAL_PIECES = ("[CLS]", "[SEP]", "[MASK]", "[PAD]")
 
 
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     data = training.build_datasets(run, make, kind="sentence")
     engine, loader = training.build_engine(run, model, data.train)
-    training.resume(engine, run.checkpoint, rank)
+    training.resume(engine, run.checkpoint, rank, run.schedule.train_iters)
     peak = training.peak_flops(engine, run, model)
     if rank == 0:
         print(training.header(engine, grid, "BERT", num_params,

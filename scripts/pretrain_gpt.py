@@ -12,14 +12,14 @@ from pydantic import Field
 
 from megazero import training
 from megazero.causal_lm_recipe import causal_lm_data, end_of_run
-from megazero.config.cli import model_config_of, model_section, parse_run
+from megazero.config.cli import CONFIGS, model_config_of, model_section, parse_run
 from megazero.config.run import RunConfig, SampleSection
 from megazero.profiling import gpt_flops_per_token
 from models.common import count_active_parameters, count_parameters
 from models.gpt import GPT, GPTConfig
 from models.parallelize import parallelize
 
-RUN_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "run_gpt2_cpu.json")
+RUN_FILE = os.path.join(CONFIGS, "run_gpt2_cpu.json")  # the recipe's settings; --config replaces it
 
 
 GPTModel = model_section(GPTConfig)
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> dict:
     # the data (--data-path: one prefix, or weights and prefixes to blend) and the engine
     data = causal_lm_data(run, tokenizer)
     engine, loader = training.build_engine(run, model, data.splits.train)
-    training.resume(engine, run.checkpoint, rank)
+    training.resume(engine, run.checkpoint, rank, run.schedule.train_iters)
     peak = training.peak_flops(engine, run, model)
     if rank == 0:
         print(training.header(engine, grid, "GPT", num_params, f"peak {peak / 1e9:.1f} GFLOP/s per rank", active),

@@ -27,10 +27,14 @@ import typing
 from typing import Annotated, Any
 
 import tyro
+from pydantic import ValidationError
 from tyro._docstrings import get_field_docstring
 
 from megazero.config import ConfigError, load_config_source
 from megazero.config.run import RunConfig
+
+# the repository's configs/, where the recipes' run files are (beside the megazero package it installs)
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
 
 # fields of a model config that the run sets, not the model section: the tokenizer's vocabulary and
 # the parallel section's layout
@@ -110,12 +114,14 @@ def _canonical(flag: str) -> str:
 def normalize_argv(argv: list[str], known: set[str]) -> list[str]:
     """argv with FLAG_ALIASES replaced by the flags they stand for; an error for a setting given in
     two spellings, or a Megatron flag the recipe cannot honour (`known`: the tree's flags)."""
+    refused = sorted({s for s, _ in _spellings(argv) if s.replace("_", "-") not in known and s in UNHONOURED})
+    if refused:
+        reasons = [f"{flag}: not honoured here: {UNHONOURED[flag]}" for flag in refused]
+        raise SystemExit("[megazero] " + "; ".join(reasons))
     seen: dict[str, str] = {}
     for spelling, canonical in _spellings(argv):
-        if spelling.replace("_", "-") not in known and spelling in UNHONOURED:
-            raise SystemExit(f"[megazero] {spelling}: not honoured here: {UNHONOURED[spelling]}")
         setting = _canonical(canonical)
-        if setting in seen and seen[setting].replace("_", "-") != spelling.replace("_", "-"):
+        if setting in seen and seen[setting] != spelling:  # the same spelling twice: the last wins, as in argparse
             raise SystemExit(f"[megazero] {seen[setting]} and {spelling} set one setting ({setting}): give one")
         seen[setting] = spelling
     out = []
@@ -148,6 +154,19 @@ def _tree_flags(run_class: type) -> set[str]:
 
     walk(run_class)
     return flags
+
+
+def _one_line(error: Exception) -> str:
+    """A pydantic ValidationError as its messages (a model's own check: the message alone; a field's:
+    the field and the message), anything else as it prints."""
+    if not isinstance(error, ValidationError):
+        return str(error)
+    parts = []
+    for err in error.errors():
+        message = err["msg"].removeprefix("Value error, ")
+        field = ".".join(str(x) for x in err["loc"])
+        parts.append(f"{field}: {message}" if field else message)
+    return "; ".join(parts)
 
 
 def _with_aliases(description: str | None, known: set[str]) -> str:
@@ -184,15 +203,18 @@ def _pre_parse(argv: list[str]) -> argparse.Namespace:
     return p.parse_known_args(argv)[0]
 
 
-def load_tree(path: str) -> dict:
+def load_tree(path: str) -> tuple[dict, str]:
     """A run file: sections as JSON objects; `model` and `engine` may be a file name, relative to the
-    run file's directory."""
+    run file's directory. Returns the tree and the file its engine section came from."""
     tree = _read_json(path, "run config")
     base = os.path.dirname(os.path.abspath(path))
+    engine_file = path
     for key, what in (("model", "model config"), ("engine", "engine config")):
         if isinstance(tree.get(key), str):
-            tree[key] = _read_json(os.path.join(base, tree[key]), what)
-    return tree
+            named = os.path.join(base, tree[key])
+            tree[key] = _read_json(named, what)
+            engine_file = named if key == "engine" else engine_file
+    return tree, engine_file
 
 
 def parse_run(run_class: type[RunConfig], argv: list[str] | None, default_file: str,
@@ -209,8 +231,8 @@ def parse_run(run_class: type[RunConfig], argv: list[str] | None, default_file: 
     known = _tree_flags(run_class)
     argv = normalize_argv(argv, known)
     files = _pre_parse(argv)
-    tree = load_tree(files.config or default_file)
-    tree["engine_file"] = files.deepspeed_config or files.config or default_file
+    tree, engine_file = load_tree(files.config or default_file)
+    tree["engine_file"] = files.deepspeed_config or engine_file
     if files.model_config:
         tree["model"] = _read_json(files.model_config, "model config")
     if files.deepspeed_config:
@@ -233,10 +255,13 @@ def parse_run(run_class: type[RunConfig], argv: list[str] | None, default_file: 
         raise SystemExit(f"[megazero] model config {source}: unknown keys {sorted(unknown - {'vocab_size'})}")
     try:
         default = run_class(model=model_type(**{k: v for k, v in model.items() if k not in unknown}), **tree)
-    except ValueError as e:
-        raise SystemExit(f"[megazero] run config {files.config or default_file}: {e}") from None
-    run = tyro.cli(run_class, default=default, args=argv, description=_with_aliases(description, known),
-                   config=(tyro.conf.OmitArgPrefixes,))
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"[megazero] run config {files.config or default_file}: {_one_line(e)}") from None
+    try:
+        run = tyro.cli(run_class, default=default, args=argv, description=_with_aliases(description, known),
+                       config=(tyro.conf.OmitArgPrefixes,))
+    except (ValueError, TypeError) as e:  # a section's own check (pydantic's error, one line per problem)
+        raise SystemExit(f"[megazero] {_one_line(e)}") from None
     try:
         run = run.resolve()
     except (ValueError, ConfigError) as e:
@@ -264,8 +289,3 @@ def save_run_config(run: RunConfig, path: str) -> None:
         f.write("\n")
     os.replace(tmp, path)
 
-
-def field_names(section: Any) -> list[str]:
-    """The field names of a tree section (a pydantic section or a model dataclass)."""
-    return list(type(section).model_fields) if hasattr(section, "model_fields") else \
-        [f.name for f in dataclasses.fields(section)]

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 import tyro
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from megazero.config import ConfigError, resolve_batch_triad, validate_config
 
@@ -94,13 +94,12 @@ class TrainingSection(RunSection):
     lr_warmup_init: float | None = Field(None, ge=0, description="the LR warm-up starts from (default 0)")
     lr_decay_iters: int | None = Field(None, ge=1, description="iterations the decay spans (default --train-iters)")
 
-    @model_validator(mode="after")
-    def _one_precision_and_one_warmup(self) -> TrainingSection:
+    def check(self) -> None:
+        """The flags that exclude each other (checked once the flags are in, by RunConfig.resolve)."""
         if self.bf16 and self.fp16:
             raise ValueError("--bf16 and --fp16 are both set: choose one")
         if self.lr_warmup_fraction is not None and self.lr_warmup_iters is not None:
             raise ValueError("--lr-warmup-fraction and --lr-warmup-iters are both set: give one")
-        return self
 
     def megatron_schedule(self, train_iters: int, global_batch_size: int) -> dict | None:
         """The engine `scheduler` block of Megatron's LR flags (None where none is given): counted in
@@ -133,13 +132,12 @@ class ScheduleSection(RunSection):
     save_interval: int = Field(100, ge=1, description="save a checkpoint every this many iterations (with --save)")
     log_interval: int = Field(10, ge=1, description="print and log every this many iterations")
 
-    @model_validator(mode="after")
-    def _rampup_has_three_numbers(self) -> ScheduleSection:
+    def check(self) -> None:
+        """--rampup-batch-size's three numbers (checked by RunConfig.resolve)."""
         if self.rampup_batch_size is not None and (len(self.rampup_batch_size) != 3
                                                    or min(self.rampup_batch_size) < 1):
             raise ValueError(f"--rampup-batch-size takes three positive numbers START INCREMENT SAMPLES, got "
                              f"{self.rampup_batch_size}")
-        return self
 
 
 class DataSection(RunSection):
@@ -316,17 +314,17 @@ class RunConfig(RunSection):
     sections only it has, e.g. `sample`); `engine` is the engine JSON as a dict, validated as
     megazero.config.EngineConfig by `engine_config()`."""
 
-    config: str | None = Field(None, description="a run config JSON (e.g. a run's saved run_config.json): the "
-                                                 "defaults every other flag changes")
+    config: str | None = Field(None, description="a run config JSON (e.g. a run's saved run_config.json) instead of "
+                                                 "the recipe's run file: the defaults every other flag changes")
     model_config_file: Annotated[str | None, tyro.conf.arg(name="model-config")] = Field(
-        None, description="model JSON: the model section's values (default: the recipe's)")
-    deepspeed_config: str | None = Field(None, description="engine JSON, DeepSpeed-compatible (default: the "
-                                                           "recipe's)")
+        None, description="model JSON: the model section's values, instead of the run file's")
+    deepspeed_config: str | None = Field(None, description="engine JSON, DeepSpeed-compatible, instead of the run "
+                                                           "file's")
     deepspeed: bool = Field(False, description="accepted for DeepSpeed compatibility; the engine is always used")
     seed: int = Field(1234, description="seed of the model's initialisation, dropout and data order")
-    attention_backend: Literal["auto"] = Field(
-        "auto", description="Megatron's attention kernel choice: the models call torch's scaled_dot_product_attention, "
-                            "which picks flash, memory-efficient or math kernels itself")
+    attention_backend: str = Field(
+        "auto", description="Megatron's attention kernel choice: only auto, since the models call torch's "
+                            "scaled_dot_product_attention, which picks flash, memory-efficient or math kernels itself")
     model: Annotated[Any, tyro.conf.Suppress] = None  # a recipe's subclass gives its model section
     parallel: ParallelSection = ParallelSection()
     training: TrainingSection = TrainingSection()
@@ -336,12 +334,22 @@ class RunConfig(RunSection):
     logging: LoggingSection = LoggingSection()
     engine: Annotated[dict, tyro.conf.Suppress] = Field(default_factory=dict)
     engine_notes: Annotated[list[str], tyro.conf.Suppress] = Field(default_factory=list)
+
+    def check(self) -> None:
+        """What one field alone cannot say: checked once the flags are in, by resolve()."""
+        self.training.check()
+        self.schedule.check()
+        if self.attention_backend != "auto":
+            raise ValueError(f"--attention-backend {self.attention_backend}: not honoured here: the models call "
+                             f"torch's scaled_dot_product_attention, which picks its kernel itself (give auto)")
     engine_file: Annotated[str, tyro.conf.Suppress] = ""  # where `engine` came from, for error messages
 
     def resolve(self) -> RunConfig:
-        """The run with every given engine-key flag written into `engine` (noted in engine_notes),
-        the flags that set them cleared (the engine dict is then their one place), and the schedule
-        keys that follow --train-iters and --lr; an error naming the setting where they clash."""
+        """The run with every given engine-key flag written into `engine` (each key it changes noted
+        in engine_notes), and the schedule keys that follow --train-iters and --lr. The flags keep
+        their values in their sections: the saved tree says what was given, and given again (a
+        rerun from it) they change nothing."""
+        self.check()
         engine = copy.deepcopy(self.engine)
         notes = list(self.engine_notes)
         sections = {name: getattr(self, name).model_copy() for name in
@@ -355,18 +363,15 @@ class RunConfig(RunSection):
             key = target(engine, value) if callable(target) else target
             if not callable(target):
                 _set(engine, target, value)
-            notes.append(str(EngineKeyNote(key, _get(engine, key), _flag(name), _get(before, key))))
-            setattr(sections[section], name, None if not isinstance(value, bool) else False)
+            if _get(engine, key) != _get(before, key):
+                notes.append(str(EngineKeyNote(key, _get(engine, key), _flag(name), _get(before, key))))
         megatron = self.training.megatron_schedule(self.schedule.train_iters, _global_batch(engine))
         if megatron is None:
             notes += _follow_schedule(engine, self.schedule.train_iters, self.training.lr)
-        else:
+        elif engine.get("scheduler") != megatron:
             replaced = engine.get("scheduler", {}).get("type")
             engine["scheduler"] = megatron
             notes.append(f"scheduler = MegatronLR from the --lr-* flags (the engine JSON's: {replaced or 'absent'})")
-            for name in ("lr_decay_style", "min_lr", "lr_warmup_fraction", "lr_warmup_iters", "lr_warmup_init",
-                         "lr_decay_iters"):
-                setattr(sections["training"], name, None)
         return self.model_copy(update={**sections, "engine": engine, "engine_notes": notes})
 
     def engine_config(self):

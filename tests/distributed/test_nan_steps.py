@@ -5,7 +5,6 @@ event file. Under fp16 with dynamic loss scaling an overflow is a skipped step b
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 
@@ -19,15 +18,16 @@ PRECISIONS = {"fp32": {}, "bf16": {"bf16": {"enabled": True}},
 
 
 def _poisoned_run(prefix: str, tb_dir: str, precision: str) -> dict:
+    from megazero.config.run import ScheduleSection
     from megazero.training import ProgressLog
 
     config = base_config(tensorboard={"enabled": True, "output_path": tb_dir, "job_name": "run"},
                          **PRECISIONS[precision])
     engine, loader = build_engine(config, prefix)
-    args = argparse.Namespace(log_interval=2, train_iters=6, seq_length=TINY["seq_length"])
+    schedule = ScheduleSection(log_interval=2, train_iters=6)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        log = ProgressLog(engine, args, 1.0, 1.0, engine.global_rank)
+        log = ProgressLog(engine, schedule, TINY["seq_length"], 1.0, 1.0, engine.global_rank)
         data = iter(loader)
         for step in range(6):
             loss = engine(**next(data))

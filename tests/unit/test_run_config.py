@@ -35,6 +35,13 @@ def _parse(*flags: str, run_class: type = GPTRun) -> RunConfig:
     return parse_run(run_class, ["--data-path", "data/p", *flags], RUN_FILE)
 
 
+def _saved(run: RunConfig) -> str:
+    path = os.path.join(os.environ.get("PYTEST_TMP", "/tmp"), f"run_config_{os.getpid()}.json")
+    with open(path, "w") as f:
+        json.dump(run.to_dict(), f)
+    return path
+
+
 def test_megatron_flags_set_their_fields_and_engine_keys_and_the_printed_config_says_so():
     run = _parse("--num-layers", "3", "--tensor-model-parallel-size", "2", "--micro-batch-size", "2",
                  "--global-batch-size", "16", "--lr", "3e-4", "--weight-decay", "0.05", "--adam-beta1", "0.8",
@@ -52,8 +59,13 @@ def test_megatron_flags_set_their_fields_and_engine_keys_and_the_printed_config_
     printed = describe(run)
     assert "optimizer.params.lr = 0.0003 from --lr (the engine JSON's: 0.001)" in printed
     assert "gradient_clipping = 0.5 from --clip-grad (the engine JSON's: 1.0)" in printed
-    # the flags that set engine keys are cleared: the engine dict is their one place
-    assert run.training.lr is None and run.to_dict()["engine"]["optimizer"]["params"]["lr"] == 3e-4
+    # the flags keep what was given (the saved tree says so); a key a flag leaves as it was is not noted
+    assert run.training.lr == 3e-4 and run.training.bf16 and run.to_dict()["training"]["clip_grad"] == 0.5
+    assert "train_micro_batch_size_per_gpu" in printed and "weight_decay = 0.05" in printed
+    same = _parse("--micro-batch-size", "4", "--global-batch-size", "8")  # the engine JSON's own values
+    assert not same.engine_notes
+    rerun = parse_run(GPTRun, ["--config", _saved(run)], RUN_FILE)  # given again: nothing changes
+    assert rerun.engine == run.engine and not rerun.engine_notes
 
 
 def test_one_setting_in_two_spellings_is_an_error_naming_both(capsys):
@@ -63,12 +75,20 @@ def test_one_setting_in_two_spellings_is_an_error_naming_both(capsys):
         _parse("--recompute-activations", "--recompute-granularity", "full")
     with pytest.raises(SystemExit, match="--bf16 and --no-bf16"):
         _parse("--bf16", "--no-bf16")
+    with pytest.raises(SystemExit, match="--train-iters and --train_iters set one setting"):
+        _parse("--train-iters", "3", "--train_iters", "4")
+    assert _parse("--train-iters", "3", "--train-iters", "4").schedule.train_iters == 4  # one spelling: the last
     assert _parse("--train-minutes", "1.5").schedule.exit_duration_in_mins == 1.5  # the alias alone
 
 
 def test_a_flag_megazero_cannot_honour_is_an_error_that_says_why():
-    with pytest.raises(SystemExit, match="--vocab-file: not honoured here: .*SentencePiece"):
-        _parse("--vocab-file", "gpt2-vocab.json")
+    with pytest.raises(SystemExit, match="--merge-file: not honoured here: .*; --vocab-file: not honoured here"):
+        _parse("--vocab-file", "gpt2-vocab.json", "--merge-file", "gpt2-merges.txt")
+    with pytest.raises(SystemExit, match="--attention-backend flash: not honoured here: .*give auto"):
+        _parse("--attention-backend", "flash")
+    with pytest.raises(SystemExit) as raised:  # a section's own check: its message, no pydantic decoration
+        _parse("--bf16", "--fp16")
+    assert str(raised.value) == "[megazero] --bf16 and --fp16 are both set: choose one"
     with pytest.raises(SystemExit, match="--untie-embeddings-and-output-weights: not honoured here"):
         _parse("--untie-embeddings-and-output-weights")
     with pytest.raises(SystemExit):  # a flag no tree has: tyro's usage error
