@@ -10,7 +10,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megazero import parallel_state, tensor_parallel, zero  # noqa: F401  (as in DeepSpeed / Megatron)
+from megazero import accelerator, parallel_state, tensor_parallel, zero  # noqa: F401  (as in DeepSpeed / Megatron)
 from megazero.config import ConfigError, EngineConfig, parse_config
 from megazero.distributed import init_distributed
 from megazero.engine import Engine
@@ -21,7 +21,7 @@ from megazero.watchdog import configure_watchdog
 
 __version__ = "0.1.0"
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "Engine", "EngineConfig", "ConfigError",
-           "set_seed", "zero", "__version__"]
+           "set_seed", "zero", "accelerator", "__version__"]
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

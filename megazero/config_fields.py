@@ -146,6 +146,18 @@ def field_keys(name: str, info: FieldInfo) -> list[str]:
     return [alias] if isinstance(alias, str) else [name]
 
 
+def one_spelling(model: type[BaseModel], raw: dict) -> dict:
+    """`raw` unchanged, or a config error when it gives one field of `model` under two of its keys
+    (DeepSpeed's `stage3_prefetch_bucket_size` and `prefetch_bucket_size`): pydantic would keep one
+    of them silently."""
+    for name, info in model.model_fields.items():
+        given = [key for key in field_keys(name, info) if key in raw]
+        if len(given) > 1:
+            raise config_error(f"'{{where}}{given[0]}' and '{{where}}{given[1]}' are two spellings of one key; "
+                               f"give one", given[0])
+    return raw
+
+
 def key_names(model: type[BaseModel]) -> list[str]:
     """The keys `model` accepts: field names, and every alias a field is validated under."""
     return [key for name, info in model.model_fields.items() for key in field_keys(name, info)]

@@ -4,107 +4,29 @@ from __future__ import annotations
 
 import datetime
 import os
-import re
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from megazero.accelerator import get_accelerator, select_device_index, training_device
+from megazero.launch_env import LaunchEnv, detect_launch_env, expand_first_host
 from megazero.watchdog import watched
 
-
-@dataclass
-class LaunchEnv:
-    """Where this process sits, as read from the launcher's environment."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    master_addr: str
-    master_port: int
-    launcher: str  # "torchrun", "mpi", "slurm" or "none"
-
-
-def expand_first_host(nodelist: str) -> str:
-    """First host of a Slurm node list: 'node[01-04,07],gpu2' -> 'node01'; 'a,b' -> 'a'."""
-    nodelist = nodelist.strip()
-    if not nodelist:
-        raise ValueError("empty Slurm node list")
-    match = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist)
-    prefix, _, ranges = match.groups()
-    if ranges is None:
-        return prefix
-    first = ranges.split(",")[0].split("-")[0]
-    return prefix + first
-
-
-def _env_int(env: dict, *names: str) -> int | None:
-    for name in names:
-        if env.get(name, "") != "":
-            return int(env[name])
-    return None
-
-
-def detect_launch_env(env: dict | None = None) -> LaunchEnv:
-    """Read rank/world/master from torchrun's, MPI's or Slurm's variables (in that order)."""
-    env = dict(os.environ if env is None else env)
-    addr = env.get("MASTER_ADDR", "127.0.0.1")
-    port = int(env.get("MASTER_PORT", "29500"))
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return LaunchEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
-                         addr, port, "torchrun")
-    rank = _env_int(env, "OMPI_COMM_WORLD_RANK", "PMI_RANK")
-    if rank is not None:
-        world = _env_int(env, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
-        local = _env_int(env, "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID") or 0
-        return LaunchEnv(rank, world, local, addr, port, "mpi")
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        if "MASTER_ADDR" not in env:
-            addr = expand_first_host(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "127.0.0.1"))
-        if "MASTER_PORT" not in env:
-            # a fixed port collides between jobs sharing a node; derive one from the job id
-            port = 20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000
-        return LaunchEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)),
-                         addr, port, "slurm")
-    return LaunchEnv(0, 1, 0, addr, port, "none")
+__all__ = ["BACKEND_ENV", "LaunchEnv", "all_reduce_sum", "all_reduce_values", "default_backend", "detect_launch_env",
+           "expand_first_host", "init_distributed", "resolve_backend", "select_device_index", "training_device"]
 
 
 BACKEND_ENV = "MEGAZERO_DIST_BACKEND"  # e.g. gloo: tests on a GPU host, CPU runs beside a GPU job
 
 
-def select_device_index(local_rank: int, device_count: int) -> int:
-    """The GPU (an index among the visible ones) a rank uses: local_rank % device_count.
-
-    Under `srun --gpus-per-task=1` or `--gpu-bind`, each rank sees only its own GPU(s), as index 0
-    up, while its local rank counts the node's tasks; with more ranks than visible GPUs, ranks
-    share them in turn. Either way the local rank alone is not a valid device ordinal."""
-    if device_count < 1:
-        raise ValueError(f"select_device_index: no visible GPU (device_count {device_count}) for local rank "
-                         f"{local_rank}")
-    if local_rank < 0:
-        raise ValueError(f"select_device_index: local rank must be >= 0, got {local_rank}")
-    return local_rank % device_count
-
-
-def training_device(local_rank: int | None = None, device_count: int | None = None) -> torch.device:
-    """Where this rank trains: cuda:(local_rank % device_count) when there is a GPU, else the CPU.
-    local_rank defaults to the launcher's, device_count to the GPUs this process sees."""
-    if device_count is None:
-        device_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if device_count == 0:
-        return torch.device("cpu")
-    if local_rank is None:
-        local_rank = detect_launch_env().local_rank
-    return torch.device("cuda", select_device_index(local_rank, device_count))
-
-
 def resolve_backend(dist_backend: str | None = None, env: dict | None = None,
                     cuda_available: bool | None = None) -> str:
-    """The process-group backend: `dist_backend` if given, else $MEGAZERO_DIST_BACKEND, else NCCL
-    when CUDA is available and gloo otherwise. Asking for NCCL without CUDA is an error."""
+    """The process-group backend: `dist_backend` if given, else $MEGAZERO_DIST_BACKEND, else the
+    accelerator's (megazero.accelerator: NCCL on CUDA, gloo on the CPU). Asking for NCCL without CUDA
+    is an error."""
     env = os.environ if env is None else env
-    if cuda_available is None:
-        cuda_available = torch.cuda.is_available()
+    if cuda_available is None:  # the accelerator's choice (DS_ACCELERATOR=cpu keeps a GPU host on gloo)
+        cuda_available = get_accelerator().device_name() == "cuda"
     backend = dist_backend or env.get(BACKEND_ENV, "") or ("nccl" if cuda_available else "gloo")
     backend = backend.strip().lower()
     if backend == "nccl" and not cuda_available:
@@ -140,7 +62,7 @@ def init_distributed(dist_backend: str | None = None, timeout: datetime.timedelt
                        ("MASTER_PORT", launch.master_port)):
         os.environ.setdefault(key, str(value))
     if backend == "nccl":
-        torch.cuda.set_device(training_device(launch.local_rank))
+        get_accelerator().set_device(training_device(launch.local_rank).index)
     if launch.launcher == "none" and init_method is None:
         # a lone process needs no rendezvous (and must not collide on a port with other jobs)
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)

@@ -28,7 +28,7 @@ from megazero.monitor import Monitor
 from megazero.numerics import loss_guard, numerics_error
 from megazero.optim.protocol import GradScaleTaker, takes_grad_scale, writes_copies
 from megazero.parallel_state import ParallelGrid
-from megazero.precision import LossScaler
+from megazero.precision import LossScaler, cast_floating
 from megazero.profiling.memory import ActivationMeter
 from megazero.profiling.timers import Timers
 from megazero.tensor_parallel.random import MicroBatchStreams
@@ -164,6 +164,8 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
 
             profiler = FlopsProfiler(self.module)
             profiler.start_profile()
+        if self.config.fp16.enabled and self.config.fp16.auto_cast:
+            inputs = cast_floating(inputs, torch.float16)
         self.timers("forward").start()
         with self._random_streams(), ActivationMeter() as meter:
             out = self.module(*inputs, **kwargs)
@@ -369,8 +371,11 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
                            shape_key=input_shapes(batches), transport=self.config.pipeline.p2p_transport)
         losses = []
 
+        auto_cast = self.config.fp16.enabled and self.config.fp16.auto_cast  # the stages' inputs, as forward's
+
         def forward_step(chunk: int, m: int, received: torch.Tensor | None) -> torch.Tensor:
-            kwargs = dict(batches[m]) if received is None else {**batches[m], HIDDEN_STATES: received}
+            batch = cast_floating(batches[m], torch.float16) if auto_cast else batches[m]
+            kwargs = dict(batch) if received is None else {**batch, HIDDEN_STATES: received}
             if num_chunks > 1:
                 kwargs[MODEL_CHUNK] = chunk
             self._pipeline_micro = m

@@ -121,3 +121,16 @@ class MasterParams:
         """Reset the master weights from the model (e.g. after loading a model-only checkpoint)."""
         if self.separate:
             torch._foreach_copy_(self.params, [p.float() for p in self.model_params])
+
+
+def cast_floating(value, dtype: torch.dtype):
+    """`value` with every floating-point tensor in it, through lists, tuples and dicts, cast to `dtype`
+    (fp16.auto_cast: DeepSpeed casts the forward's inputs so; integer tensors such as token ids stay)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (list, tuple)):
+        cast = [cast_floating(v, dtype) for v in value]
+        return type(value)(*cast) if hasattr(value, "_fields") else type(value)(cast)
+    if isinstance(value, dict):
+        return type(value)((k, cast_floating(v, dtype)) for k, v in value.items())
+    return value

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 import megazero
 from megazero import parallel_state
+from megazero.accelerator import get_accelerator
 from megazero.config import ConfigError, resolve_batch_triad
 from megazero.config.cli import describe, save_run_config
 from megazero.config.run import BatchRampup, RunConfig
@@ -80,8 +81,7 @@ def build_engine(run: RunConfig, model: torch.nn.Module, train_data, lr_schedule
     config: (engine, training loader). `lr_scheduler`: a schedule of your own, or a callable taking
     the optimizer (initialize's; None: the engine config's `scheduler`). A bad engine config stops
     the run with one line naming the file and the key."""
-    if torch.cuda.is_available():
-        model = model.cuda(torch.cuda.current_device())
+    model = model.to(get_accelerator().current_device_name())
     try:
         engine, _, loader, _ = megazero.initialize(model=model, model_parameters=param_groups(model),
                                                    training_data=train_data, config=copy.deepcopy(run.engine),

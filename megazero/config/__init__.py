@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from typing import Any, Literal
 
 from pydantic import AliasChoices, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
+from megazero.config.deprecated import deprecated_offload_switches
 from megazero.config_fields import (
     Bool,
     Float,
@@ -31,6 +33,7 @@ from megazero.config_fields import (
     error_message,
     field_keys,
     int_choice,
+    one_spelling,
     section_type,
     suggest,
     true_only,
@@ -52,6 +55,22 @@ class FP16Config(Section):
     hysteresis: Int = Field(2, ge=1, description="overflows tolerated before the dynamic scale halves")
     consecutive_hysteresis: Bool = Field(False, description="refill the hysteresis after every clean step")
     min_loss_scale: Float = Field(1.0, gt=0, description="the dynamic scale never drops below this")
+    auto_cast: Bool = Field(False, description="the engine's forward casts floating tensors among its positional "
+                                               "inputs to float16 (with fp16.enabled; as DeepSpeed)")
+    fp16_master_weights_and_grads: Bool = Field(
+        False, description="false only: fp32 master weights and gradients (true, DeepSpeed's fp16 masters for its "
+                           "CPU Adam, is not implemented)")
+
+    @model_validator(mode="after")
+    def _fp32_masters(self) -> FP16Config:
+        if self.auto_cast and not self.enabled:
+            warnings.warn("'fp16.auto_cast' has no effect without 'fp16.enabled' (DeepSpeed would cast the inputs of "
+                          "a model that does not compute in float16)", stacklevel=2)
+        if self.fp16_master_weights_and_grads:
+            raise config_error("'{path}' true (fp16 master weights and gradients, DeepSpeed's option for its CPU "
+                               "Adam) is not implemented: megazero keeps fp32 masters; use false",
+                               "fp16_master_weights_and_grads")
+        return self
 
 
 class BF16Config(Section):
@@ -133,11 +152,15 @@ class ZeroConfig(Section):
                                                  "each bucket). True at every stage, unlike DeepSpeed (stage 3 "
                                                  "only): false saves no memory here")
     stage3_param_persistence_threshold: Int = Field(
-        100_000, ge=0, description="stage 3: parameters smaller than this stay whole on every rank")
+        100_000, ge=0,
+        validation_alias=AliasChoices("stage3_param_persistence_threshold", "param_persistence_threshold"),
+        description="stage 3: parameters smaller than this stay whole on every rank")
     stage3_prefetch_bucket_size: Int = Field(
-        50_000_000, ge=0, description="stage 3: prefetch the next layer's parameters up to this size (0: off)")
+        50_000_000, ge=0, validation_alias=AliasChoices("stage3_prefetch_bucket_size", "prefetch_bucket_size"),
+        description="stage 3: prefetch the next layer's parameters up to this size (0: off)")
     stage3_module_granularity_threshold: Int = Field(
-        0, ge=0, description="stage 3: a module whose subtree averages at most this many parameter elements "
+        0, ge=0, validation_alias=AliasChoices("stage3_module_granularity_threshold", "module_granularity_threshold"),
+        description="stage 3: a module whose subtree averages at most this many parameter elements "
                              "per module is fetched as one unit with its children (0: every module owning "
                              "parameters is a unit)")
     contiguous_gradients: true_only("megazero always keeps gradients in contiguous buffers") = Field(
@@ -145,19 +168,42 @@ class ZeroConfig(Section):
     reduce_scatter: true_only("gradients are always reduce-scattered") = Field(
         True, description="stages 2-3 always reduce-scatter the gradients (true only)")
     stage3_gather_16bit_weights_on_model_save: Bool = Field(
-        False, description="save_16bit_model() gathers stage 3's weights (false: it warns and writes nothing)")
+        False, validation_alias=AliasChoices("stage3_gather_16bit_weights_on_model_save",
+                                             "gather_16bit_weights_on_model_save",
+                                             "stage3_gather_fp16_weights_on_model_save"),
+        description="save_16bit_model() gathers stage 3's weights (false: it warns and writes nothing)")
     offload_optimizer: OffloadOptimizerConfig = Field(
         default_factory=OffloadOptimizerConfig, description="optimizer offload (stages 1-3)")
     offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig,
                                               description="parameter offload (stage 3)")
+    allgather_partitions: Bool = Field(
+        True, description="stages 1-2: the updated parameters reach every rank by one all-gather per bucket "
+                          "(false: one broadcast from each rank)")
+    allgather_bucket_size: Int = Field(
+        500_000_000, ge=1, description="stages 1-2: elements per parameter all-gather (a larger reduce bucket is "
+                                       "gathered in pieces of this size)")
     sub_group_size: Int = Field(
         1_000_000_000, ge=1, description="offload: the optimizer steps this many elements at a time (runs of "
                                          "whole master chunks; a chunk, 1/N of a reduce bucket, is never split)")
+
+    _averaging: tuple[bool, float] = PrivateAttr((False, 1.0))
+
+    @property
+    def prescale_gradients(self) -> bool:
+        """The config's top-level `prescale_gradients` (handed down by EngineConfig)."""
+        return self._averaging[0]
+
+    @property
+    def gradient_predivide_factor(self) -> float:
+        """The config's top-level `gradient_predivide_factor` (handed down by EngineConfig)."""
+        return self._averaging[1]
 
     @model_validator(mode="before")
     @classmethod
     def _null_blocks(cls, raw: Any) -> Any:
         if isinstance(raw, dict):  # DeepSpeed configs write an unused offload block as null
+            raw = one_spelling(cls, raw)
+            raw = deprecated_offload_switches(raw)
             raw = {k: ({} if k in ("offload_optimizer", "offload_param") and v is None else v) for k, v in raw.items()}
         return raw
 
@@ -336,10 +382,18 @@ class _TypedBlock(Section):
     def _key(cls, type_name: str) -> str:
         return type_name
 
+    @classmethod
+    def _missing(cls, type_name: str) -> str | None:
+        """Why `type_name` is a type DeepSpeed has and megazero lacks, or None."""
+        return None
+
     @field_validator("type", check_fields=False)
     @classmethod
     def _known_type(cls, value: str) -> str:
         models = cls._models()
+        if cls._key(value) not in models and cls._missing(value) is not None:
+            raise config_error(f"'{{path}}' {value!r} is {cls._missing(value)}; choose one of "
+                               f"{', '.join(cls._names())}")
         if cls._key(value) not in models:
             raise config_error(f"'{{path}}' {value!r} {cls._unknown()}{suggest(cls._key(value), models)}; "
                                f"choose one of {', '.join(cls._names())}")
@@ -351,6 +405,15 @@ class _TypedBlock(Section):
         if "type" not in info.data:  # the type was wrong: that is the error reported
             return value
         return validate_given(cls._models()[cls._key(info.data["type"])], value)
+
+
+_ONE_BIT = ("DeepSpeed's compressed-communication (1-bit) optimizer, not implemented in megazero (1-bit "
+            "Adam, 0/1 Adam and 1-bit LAMB)")
+_MUP = "DeepSpeed's muP optimizer (maximal update parametrization), not implemented in megazero"
+# optimizer types DeepSpeed builds from its config that megazero does not (any case): why
+DEEPSPEED_ONLY_OPTIMIZERS = {"onebitadam": _ONE_BIT, "zerooneadam": _ONE_BIT, "onebitlamb": _ONE_BIT,
+                             "muadam": _MUP, "muadamw": _MUP, "musgd": _MUP,
+                             "muon": "DeepSpeed's Muon optimizer, not implemented in megazero"}
 
 
 class OptimizerConfig(_TypedBlock):
@@ -371,6 +434,10 @@ class OptimizerConfig(_TypedBlock):
     @classmethod
     def _key(cls, type_name: str) -> str:
         return type_name.lower()
+
+    @classmethod
+    def _missing(cls, type_name: str) -> str | None:
+        return DEEPSPEED_ONLY_OPTIMIZERS.get(type_name.lower())
 
 
 class SchedulerConfig(_TypedBlock):
@@ -394,7 +461,8 @@ class AioConfig(Section):
 
     block_size: Int = Field(1_048_576, ge=4096, description="bytes per read/write request")
     queue_depth: Int = Field(8, ge=1, description="requests in flight per thread")
-    thread_count: Int = Field(1, ge=1, description="I/O threads")
+    thread_count: Int = Field(1, ge=1, validation_alias=AliasChoices("thread_count", "intra_op_parallelism"),
+                              description="I/O threads ('intra_op_parallelism' is DeepSpeed's name)")
     single_submit: Bool = Field(False, description="submit requests one at a time (false: in batches)")
     overlap_events: Bool = Field(True, description="overlap submitting new requests with completing earlier ones")
 
@@ -415,6 +483,15 @@ class EngineConfig(Section):
                              description="bfloat16 compute ('bfloat16' is DeepSpeed's older spelling)")
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig, description="ZeRO partitioning")
     gradient_clipping: Float = Field(0.0, ge=0, description="clip the global gradient norm to this; 0 = off")
+    prescale_gradients: Bool = Field(
+        False, description="stage 0: divide gradients by the data-parallel size before their all-reduce (false: by "
+                           "gradient_predivide_factor before, the rest after); stages 1-3 always divide first")
+    gradient_predivide_factor: Float = Field(
+        1.0, gt=0, description="stage 0 with prescale_gradients false: gradients are divided by this before their "
+                               "all-reduce and by data-parallel size / this after it")
+    zero_allow_untested_optimizer: Bool = Field(
+        False, description="ZeRO stages 1-3 accept an optimizer passed to initialize() that is not one megazero "
+                           "builds (whose update may read whole tensors, which ZeRO partitions)")
     steps_per_print: Int = Field(10, ge=1, description="print progress every this many optimizer steps")
     wall_clock_breakdown: Bool = Field(False, description="time forward, backward and step (synchronizing)")
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig, description="TensorBoard scalars")
@@ -481,6 +558,12 @@ class EngineConfig(Section):
             raise config_error("'fp16.enabled' and 'bf16.enabled' are both true; choose one", "fp16", "enabled")
         return self
 
+    @model_validator(mode="after")
+    def _averaging_to_zero(self) -> EngineConfig:
+        # DeepSpeed keeps these keys at the top; the data-parallel state is built from the zero block
+        self.zero_optimization._averaging = (self.prescale_gradients, self.gradient_predivide_factor)
+        return self
+
 
 def resolve_batch_triad(train: int | None, micro: int | None, accum: int | None, dp: int) -> tuple[int, int, int]:
     """DeepSpeed's rule: any two of (train, micro, accumulation) give the third; train = micro*accum*dp."""
@@ -528,7 +611,15 @@ def load_config_source(source: str | os.PathLike | dict) -> dict:
 
 
 def validate_config(raw: dict) -> EngineConfig:
-    """Validate a raw config dict into an EngineConfig (the triad as given, not yet resolved)."""
+    """Validate a raw config dict into an EngineConfig (the triad as given, not yet resolved).
+    DeepSpeed's keys megazero's schema does not hold are screened first (megazero.config.
+    deepspeed_keys): those without effect here warn and are dropped, the others are refused."""
+    from megazero.config.deepspeed_keys import RefusedKey, UnknownKey, screen
+
+    try:
+        raw = screen(raw)
+    except (RefusedKey, UnknownKey) as e:
+        raise ConfigError(str(e)) from None
     try:
         return EngineConfig.model_validate(raw)
     except ValidationError as e:

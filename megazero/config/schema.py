@@ -2,10 +2,13 @@
 
     python -m megazero.config schema > configs/megazero.schema.json
     python -m megazero.config docs-table --write docs/engine.md
+    python -m megazero.config deepspeed-keys --write configs/deepspeed_keys.json  # needs DeepSpeed
 
-The schema describes `optimizer.params` and `scheduler.params` per `type` (if/then), so editors
-autocomplete and check each optimizer's and schedule's keys. The block of docs/engine.md between
-the markers below is the same information as a table; tests fail when either is out of date.
+Both also hold DeepSpeed's keys megazero's models do not (megazero.config.deepspeed_keys), each
+with its class; the table has a class column for every key. The schema describes
+`optimizer.params` and `scheduler.params` per `type` (if/then), so editors autocomplete and check
+each optimizer's and schedule's keys. The block of docs/engine.md between the markers below is the
+same information as a table; tests fail when either is out of date.
 """
 
 from __future__ import annotations
@@ -18,7 +21,15 @@ from typing import Any
 from pydantic.json_schema import GenerateJsonSchema, models_json_schema
 
 from megazero.config import EngineConfig
-from megazero.config_fields import any_case_pattern
+from megazero.config.deepspeed_keys import (
+    IMPLEMENTED,
+    IMPLEMENTED_ELSEWHERE,
+    MEGAZERO_ONLY,
+    RULES,
+    canonical,
+    committed_keys,
+)
+from megazero.config_fields import any_case_pattern, field_keys, section_type
 from megazero.optim.lr_schedules import SCHEDULERS
 from megazero.optim.registry import OPTIMIZERS
 
@@ -48,6 +59,57 @@ def _standard_bounds(node: Any) -> None:
     elif isinstance(node, list):
         for value in node:
             _standard_bounds(value)
+
+
+CLASS_KEYWORD = "x-megazero-class"  # a property's class for DeepSpeed users (see megazero.config.deepspeed_keys)
+
+
+def _object_at(schema: dict, parts: list[str]) -> dict | None:
+    """The object schema at dotted `parts` below the root ($refs followed), or None."""
+    node = schema
+    for part in parts:
+        prop = node.get("properties", {}).get(part)
+        if prop is None:
+            return None
+        ref = prop.get("$ref") or next((o["$ref"] for o in prop.get("anyOf", []) if "$ref" in o), None)
+        if ref is None:
+            return None
+        node = schema["$defs"][ref.rsplit("/", 1)[1]]
+    return node
+
+
+def _other_spellings(schema: dict, model=EngineConfig, parts: tuple[str, ...] = ()) -> None:
+    """For each further key a field is given under (DeepSpeed's other spelling), a `patternProperties`
+    entry of exactly that name with the field's schema (`properties` stay the models' field names)."""
+    target = _object_at(schema, list(parts))
+    for name, info in model.model_fields.items():
+        keys = field_keys(name, info)
+        for other in keys[1:]:
+            if target is not None and other not in target["properties"]:
+                prop = dict(target["properties"][keys[0]])
+                prop["description"] = f"DeepSpeed's other spelling of '{keys[0]}' (give one)"
+                target.setdefault("patternProperties", {})[f"^{other}$"] = prop
+        inner = section_type(info.annotation)
+        if inner is not None:
+            _other_spellings(schema, inner, parts + (keys[0],))
+
+
+def _deepspeed_keys(schema: dict) -> None:
+    """For each DeepSpeed key megazero's models do not hold, a `patternProperties` entry of its block
+    (exactly its name: `properties` stay the models' keys) saying its class: any value for a key
+    accepted without effect (or refused unless off), none for a refused one."""
+    entries = [(path, {"type": "boolean", "description": f"deprecated: {why}", CLASS_KEYWORD: IMPLEMENTED})
+               for path, why in IMPLEMENTED_ELSEWHERE.items()]
+    for path, rule in RULES.items():
+        prop = {"description": rule.why, CLASS_KEYWORD: rule.label}
+        if rule.refused and rule.off is None:
+            prop["not"] = {}
+        entries.append((path, prop))
+    for path, prop in entries:
+        *parent, key = path.split(".")
+        target = _object_at(schema, parent)
+        if target is not None and key not in target["properties"]:
+            target.setdefault("patternProperties", {})[f"^{key}$"] = prop
 
 
 def _per_type(type_schema: dict, choices: list[tuple[dict, str]], default_ref: str | None) -> list[dict]:
@@ -91,6 +153,10 @@ def json_schema() -> dict:
         if any("$ref" in o for o in refs_or_null) and {"type": "null"} in refs_or_null:
             prop.update(next(o for o in refs_or_null if "$ref" in o))
             del prop["anyOf"], prop["default"]
+    view = {"properties": root["properties"], "$defs": defs}  # the root as _object_at reads it
+    _other_spellings(view)
+    _deepspeed_keys(view)
+    root["patternProperties"] = view["patternProperties"]
     _standard_bounds(defs)
     _standard_bounds(root)
     root.pop("title")
@@ -156,25 +222,41 @@ def _cell(text: str) -> str:
 
 def _leaf_row(key: str, node: dict, nullable: bool, required: bool) -> str:
     default = "required" if required else f"`{json.dumps(node['default'])}`" if "default" in node else ""
-    allowed = _allowed(node) + (" or null" if nullable else "")
+    allowed = _allowed(node) + (" or null" if nullable else "") if CLASS_KEYWORD not in node or "type" in node else ""
     return f"| `{key}` | {default} | {allowed} | {_cell(node.get('description', ''))} |"
 
 
-def _rows(schema: dict, obj: dict, prefix: str, skip: tuple[str, ...] = ()) -> list[str]:
+def _key_class(key: str, prop: dict, deepspeed: set[str] | None) -> str:
+    """The class column of `key` ('' when the table has none)."""
+    if deepspeed is None:
+        return ""
+    if CLASS_KEYWORD in prop:
+        return f" {prop[CLASS_KEYWORD]} |"
+    return f" {IMPLEMENTED if canonical(key) in deepspeed else MEGAZERO_ONLY} |"
+
+
+def _rows(schema: dict, obj: dict, prefix: str, skip: tuple[str, ...] = (), deepspeed: set[str] | None = None,
+          ) -> list[str]:
+    """Table rows of `obj`'s keys; with `deepspeed` (DeepSpeed's keys) a class column after the key."""
     rows = []
     required = set(obj.get("required", []))
-    for name, prop in obj.get("properties", {}).items():
+    deepspeed_only = {pattern[1:-1]: prop for pattern, prop in obj.get("patternProperties", {}).items()}
+    for name, prop in {**obj.get("properties", {}), **deepspeed_only}.items():
         if name in skip:
             continue
         node, nullable = _resolve(schema, prop)
+        key_class = _key_class(prefix + name, prop, deepspeed)
         if node.get("type") == "object" and "properties" in node:
             # the block's docstring says more than the one-line description beside its $ref
             about = schema["$defs"][prop["$ref"].rsplit("/", 1)[1]]["description"] if "$ref" in prop else ""
             about = about.split(": ", 1)[1] if about.startswith("`") and ": " in about else about
-            rows.append(f"| **`{prefix}{name}`** | | object | {_cell(about or node.get('description', ''))} |")
-            rows.extend(_rows(schema, node, f"{prefix}{name}.", skip))
+            about = _cell(about or node.get("description", ""))
+            rows.append(f"| **`{prefix}{name}`** |{key_class} | object | {about} |")
+            if not prop.get("description", "").startswith("DeepSpeed's other spelling"):
+                rows.extend(_rows(schema, node, f"{prefix}{name}.", skip, deepspeed))
         else:
-            rows.append(_leaf_row(prefix + name, node, nullable, name in required))
+            rows.append(_leaf_row(prefix + name, node, nullable, name in required).replace(
+                "` |", "` |" + key_class, 1))
     return rows
 
 
@@ -195,8 +277,9 @@ def _by_type(schema: dict, section: str) -> list[str]:
 def docs_table() -> str:
     """The config-key block of docs/engine.md (markers included), generated from json_schema()."""
     schema = json_schema()
-    lines = [DOCS_BEGIN, "| key | default | allowed | meaning |", "|---|---|---|---|"]
-    lines += _rows(schema, schema, "", skip=("bfloat16",))
+    deepspeed = set(committed_keys()["keys"])
+    lines = [DOCS_BEGIN, "| key | class | default | allowed | meaning |", "|---|---|---|---|---|"]
+    lines += _rows(schema, schema, "", skip=("bfloat16",), deepspeed=deepspeed)
     lines += ["", "`optimizer.params` by `optimizer.type` (any case):", "", *_by_type(schema, "OptimizerConfig")]
     lines += ["", "`scheduler.params` by `scheduler.type`:", "", *_by_type(schema, "SchedulerConfig")]
     lines.append(DOCS_END)
@@ -224,9 +307,22 @@ def main(argv: list[str] | None = None) -> None:
     commands.add_parser("schema", help="print the JSON Schema of the engine config")
     table = commands.add_parser("docs-table", help=f"print the config-key block of {DOCS_PAGE}")
     table.add_argument("--write", metavar="PAGE", help=f"replace the block in this file instead ({DOCS_PAGE})")
+    keys = commands.add_parser("deepspeed-keys", help="print every config key of the installed DeepSpeed "
+                                                      "(megazero.config.deepspeed_walk)")
+    keys.add_argument("--write", metavar="PATH", help="write them to this file (configs/deepspeed_keys.json)")
     args = parser.parse_args(argv)
     if args.command == "schema":
         sys.stdout.write(schema_text())
+    elif args.command == "deepspeed-keys":
+        from megazero.config.deepspeed_walk import walk_text
+
+        text = walk_text()
+        if args.write:
+            with open(args.write, "w") as f:
+                f.write(text)
+            print(f"{args.write}: {len(json.loads(text)['keys'])} keys")
+        else:
+            sys.stdout.write(text)
     elif args.write:
         print(f"{args.write}: {'updated' if update_docs(args.write) else 'already current'}")
     else:

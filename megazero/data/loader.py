@@ -14,9 +14,10 @@ class MultiEpochDataset:
     dataset gets one pass per `iter()`, as torch's and DeepSpeed's loaders do."""
 
 
-def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Stack a list of {name: tensor} samples into one batch."""
-    return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+def collate(samples: list) -> object:
+    """Batch samples as torch's DataLoader does (its default_collate): {name: tensor} samples stack per
+    name; (input, label) samples, as torchvision's datasets give them, become [inputs, labels]."""
+    return torch.utils.data.default_collate(samples)
 
 
 class DistributedBatchLoader:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from megazero.config_fields import Betas, Bool, Float, Section, config_error, true_only
+from megazero.config_fields import Betas, Bool, Float, Section, config_error
 
 
 class _MomentsParams(Section):
@@ -26,8 +26,15 @@ class AdamWParams(_MomentsParams):
 
     torch_adam: Bool = Field(False, description="use torch's optimizer instead of megazero's fused op")
     amsgrad: Bool = Field(False, description="AMSGrad's running maximum of the second moment (torch's optimizer)")
-    bias_correction: true_only("Adam and AdamW always correct the moments' bias (false is Lamb's option)") = Field(
-        True, description="only true is supported (false is Lamb's option)")
+    bias_correction: Bool = Field(True, description="divide the moments by 1 - beta**step (false: the raw moments, "
+                                                   "as DeepSpeed's Adam; not with amsgrad)")
+
+    @model_validator(mode="after")
+    def _amsgrad_corrects(self) -> AdamWParams:
+        if self.amsgrad and not self.bias_correction:
+            raise config_error("'{where}bias_correction' false with '{where}amsgrad' true is not supported "
+                               "(torch's AMSGrad always corrects the bias)", "bias_correction")
+        return self
 
 
 class AdamParams(AdamWParams):

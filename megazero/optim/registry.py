@@ -57,18 +57,23 @@ def _adam(fused: Callable[..., torch.optim.Optimizer] | None, decoupled_only: bo
     """A factory applying DeepSpeed's Adam rules, then `fused` (the op's class; None: torch's Adam).
 
     adam_w_mode (Adam only, default true) is decoupled weight decay; weight_decay defaults to 0
-    (torch's AdamW would use 0.01); bias_correction=false is refused (only Lamb has it); amsgrad
-    always runs torch's optimizer (the ops keep no running maximum).
+    (torch's AdamW would use 0.01); amsgrad always runs torch's optimizer (the ops keep no running
+    maximum). bias_correction=false runs the op, or where torch's optimizer would (it has no such
+    option) megazero's pure-torch Adam (FusedCPUAdam's reference path, any device).
     """
 
     def make(params: list, **kwargs) -> torch.optim.Optimizer:
         decoupled = True if decoupled_only else kwargs.pop("adam_w_mode", True)
-        if not kwargs.pop("bias_correction", True):
-            raise ValueError("optimizer.params.bias_correction=false is only supported by Lamb")
+        corrected = kwargs.pop("bias_correction", True)
         kwargs.setdefault("weight_decay", 0.0)
         if fused is not None and not kwargs.get("amsgrad", False):
             kwargs.pop("amsgrad", None)
-            return fused(params, adamw_mode=decoupled, **kwargs)
+            return fused(params, adamw_mode=decoupled, bias_correction=corrected, **kwargs)
+        if not corrected:
+            if kwargs.pop("amsgrad", False):
+                raise ValueError("optimizer.params.bias_correction=false with amsgrad=true is not supported "
+                                 "(torch's AMSGrad always corrects the bias)")
+            return FusedCPUAdam(params, adamw_mode=decoupled, bias_correction=False, use_op=False, **kwargs)
         cls = torch.optim.AdamW if decoupled else torch.optim.Adam
         return cls(params, fused=_fused_ok(params), **kwargs)
 

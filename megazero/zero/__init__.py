@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 from megazero.config import ZeroConfig
+from megazero.zero.averaging import GradientAveraging
 from megazero.zero.expert_parallel import ExpertParallelState, build_expert_parallel_state, is_expert_parameter
+from megazero.zero.gathering import ParameterGathering
 from megazero.zero.init import GatheredParameters, Init
 from megazero.zero.partitioned import PartitionedState
 from megazero.zero.protocol import DataParallelState
@@ -27,15 +29,17 @@ def build_data_parallel_state(config: ZeroConfig, model: torch.nn.Module, groups
     megazero.zero.expert_parallel."""
     if any(is_expert_parameter(p) for g in groups for p in g):
         return build_expert_parallel_state(config, model, groups, dp_group, ep_group, expert_dp_group, isolate)
+    averaging = GradientAveraging.of(config)
     if config.stage == 0:
-        return ReplicatedState(groups, dp_group, config.reduce_bucket_size, config.overlap_comm)
+        return ReplicatedState(groups, dp_group, config.reduce_bucket_size, config.overlap_comm, averaging=averaging)
     if config.stage == 3:
         return ShardedState(model, groups, dp_group, config.stage3_param_persistence_threshold,
                             config.stage3_prefetch_bucket_size, config.reduce_bucket_size, config.overlap_comm,
                             config.stage3_module_granularity_threshold, param_swap,
                             defer_masters=param_swap is not None and config.offload_optimizer.device == "nvme",
-                            swap_grads=config.offload_optimizer.device == "nvme")
-    return PartitionedState(groups, dp_group, config.reduce_bucket_size, config.overlap_comm, config.stage, isolate)
+                            swap_grads=config.offload_optimizer.device == "nvme", averaging=averaging)
+    return PartitionedState(groups, dp_group, config.reduce_bucket_size, config.overlap_comm, config.stage, isolate,
+                            averaging=averaging, gathering=ParameterGathering.of(config))
 
 
 __all__ = ["build_data_parallel_state", "ExpertParallelState", "is_expert_parameter", "DataParallelState",

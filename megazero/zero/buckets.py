@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+from megazero.zero.averaging import SUM_THEN_AVERAGE, GradientAveraging
 from megazero.zero.collectives import Handle
 from megazero.zero.layout import Bucket, FlatLayout
 
@@ -53,18 +54,23 @@ class BucketedGradients:
     """Collects gradients of `layout.params` into buckets and reduces them with `reduce_bucket`.
 
     reduce_bucket(bucket, tensor) -> Handle is called with the bucket's fp32 buffer (bucket.numel
-    elements, gradients pre-divided by `divisor`: the data-parallel size, unless given; expert
-    parameters reduced over the expert-data-parallel group still divide by the whole data-parallel
-    size, see megazero.zero.expert_parallel).
+    elements). The summed gradients are divided by `divisor` in all: the data-parallel size, unless
+    given (expert parameters reduced over the expert-data-parallel group still divide by the whole
+    data-parallel size, see megazero.zero.expert_parallel). `averaging` splits that division into
+    `before`, applied here, and `after`, which reduce_bucket applies to what it reduced before it is
+    used (megazero.zero.averaging).
     """
 
     def __init__(self, layout: FlatLayout, reduce_bucket: Callable[[Bucket, torch.Tensor], Handle],
                  world_size: int, overlap: bool = True, staged: bool = False, device=None,
-                 inflight: InflightLimit | None = None, divisor: int | None = None):
+                 inflight: InflightLimit | None = None, divisor: int | None = None,
+                 averaging: GradientAveraging = SUM_THEN_AVERAGE):
         self.layout = layout
         self.reduce_bucket = reduce_bucket
         self.world_size = world_size
         self.divisor = world_size if divisor is None else divisor
+        self.before = averaging.before(self.divisor)
+        self.after = averaging.after(self.divisor)
         self.overlap = overlap
         self.staged = staged
         device = device or (layout.params[0].device if layout.params else torch.device("cpu"))
@@ -121,8 +127,8 @@ class BucketedGradients:
 
     def _launch(self, bucket: Bucket) -> None:
         tensor = self.bucket_tensor(bucket)
-        if self.divisor > 1:
-            tensor.div_(self.divisor)  # pre-divide: the sum of averages is the average
+        if self.before != 1:
+            tensor.div_(self.before)
         self._handles[bucket.index] = self.reduce_bucket(bucket, tensor)
         if self.staged:
             self._inflight.track(self._handles[bucket.index], self._staging.pop(bucket.index))

@@ -137,17 +137,36 @@ def reduce_scatter_chunks(buffer: torch.Tensor, group, what: str | None = None) 
     return Handle(works, add_received, op=_label("reduce-scatter", what))
 
 
-def all_gather_chunks(buffer: torch.Tensor, group, what: str | None = None) -> Handle:
+def all_gather_chunks(buffer: torch.Tensor, group, what: str | None = None, bucket_numel: int | None = None,
+                      broadcasts: bool = False) -> Handle:
     """Every rank contributes chunk r (its own) of `buffer`; afterwards all chunks are filled everywhere
-    (`what`: as for all_reduce)."""
+    (`what`: as for all_reduce). `bucket_numel`: the most elements one gather moves; a larger buffer
+    is gathered in column slices of its chunks. `broadcasts`: each rank broadcasts its own chunk
+    (counted as broadcasts) instead of an all-gather (which gloo also builds from broadcasts)."""
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
     if world == 1:
         return Handle([])
     chunks = buffer.view(world, -1)
-    traffic.add((world - 1) * chunks.shape[1], (world - 1) * chunks.shape[1], "all_gather", buffer.numel())
-    if uses_native_collectives(group):
-        return Handle([dist.all_gather_into_tensor(buffer, chunks[rank], group=group, async_op=True)],
-                      op=_label("all-gather", what))
-    works = [dist.broadcast(chunks[r], src=_global(group, r), group=group, async_op=True) for r in range(world)]
-    return Handle(works, op=_label("all-gather", what))
+    width = chunks.shape[1]
+    step = width if bucket_numel is None else max(1, min(width, bucket_numel // world))
+    works = []
+    for start in range(0, width, step):
+        columns = chunks[:, start:start + step]
+        if broadcasts:
+            for r in range(world):
+                traffic.add(columns.shape[1] if r == rank else 0, 0 if r == rank else columns.shape[1], "broadcast",
+                            columns.shape[1])
+            works += [dist.broadcast(columns[r], src=_global(group, r), group=group, async_op=True)
+                      for r in range(world)]
+            continue
+        traffic.add((world - 1) * columns.shape[1], (world - 1) * columns.shape[1], "all_gather", columns.numel())
+        if not uses_native_collectives(group):
+            works += [dist.broadcast(columns[r], src=_global(group, r), group=group, async_op=True)
+                      for r in range(world)]
+        elif step == width:
+            works.append(dist.all_gather_into_tensor(buffer, chunks[rank], group=group, async_op=True))
+        else:  # a column slice is not contiguous across chunks: gather into a list of its rows
+            works.append(dist.all_gather(list(columns.unbind(0)), columns[rank].contiguous(), group=group,
+                                         async_op=True))
+    return Handle(works, op=_label("broadcast" if broadcasts else "all-gather", what))

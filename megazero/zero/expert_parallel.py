@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 
 from megazero.distributed import all_reduce_sum
+from megazero.zero.averaging import AVERAGE_THEN_SUM, GradientAveraging
+from megazero.zero.gathering import DEFAULT_GATHERING, ParameterGathering
 from megazero.zero.partitioned import PartitionedState
 from megazero.zero.protocol import ExportedParameterStates, export_parameter_states, register_checkpoint_format
 from megazero.zero.replicated import ReplicatedState
@@ -140,7 +142,9 @@ class ExpertParallelState:
     export_parameter_states = staticmethod(export_expert_parallel)
 
     def __init__(self, groups: list[list[torch.nn.Parameter]], stage: int, dp_group, ep_group, expert_dp_group,
-                 bucket_numel: int, overlap: bool, isolate: list[torch.nn.Parameter] = ()):
+                 bucket_numel: int, overlap: bool, isolate: list[torch.nn.Parameter] = (),
+                 averaging: GradientAveraging = AVERAGE_THEN_SUM,
+                 gathering: ParameterGathering = DEFAULT_GATHERING):
         self.stage = stage
         self.dp_group, self.ep_group = dp_group, ep_group
         self.expert_dp_group = expert_dp_group if expert_dp_group is not None else dp_group
@@ -156,8 +160,9 @@ class ExpertParallelState:
             if not params:
                 return None
             if stage == 0:
-                return ReplicatedState(params, group, bucket_numel, overlap, grad_divisor=divisor)
-            return PartitionedState(params, group, bucket_numel, overlap, stage, tied, grad_divisor=divisor)
+                return ReplicatedState(params, group, bucket_numel, overlap, grad_divisor=divisor, averaging=averaging)
+            return PartitionedState(params, group, bucket_numel, overlap, stage, tied, grad_divisor=divisor,
+                                    averaging=averaging, gathering=gathering)
 
         self.dense = build(dense, dp_group, None, isolate)
         # summed over the expert-DP group, divided by the whole DP size (module docstring)
@@ -395,4 +400,5 @@ def build_expert_parallel_state(config, model: torch.nn.Module, groups: list[lis
         raise ValueError(f"zero_optimization.offload_optimizer with expert parameters (the first: {first}) is not "
                          f"supported; set offload_optimizer.device to none")
     return ExpertParallelState(groups, config.stage, dp_group, ep_group, expert_dp_group, config.reduce_bucket_size,
-                               config.overlap_comm, isolate)
+                               config.overlap_comm, isolate, GradientAveraging.of(config),
+                               ParameterGathering.of(config))

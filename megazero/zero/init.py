@@ -30,7 +30,7 @@ import json
 import torch
 import torch.distributed as dist
 
-from megazero.distributed import training_device
+from megazero.accelerator import get_accelerator, training_device
 from megazero.zero.collectives import all_gather_chunks
 from megazero.zero.expert_parallel import is_expert_parameter
 from megazero.zero.model_broadcast import broadcast_from_first_rank
@@ -54,7 +54,8 @@ def partition_device(backend: str, device: torch.device | str | None = None, loc
     if backend != "nccl":
         return None
     if device_count is None:
-        device_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        accelerator = get_accelerator()
+        device_count = accelerator.device_count() if accelerator.device_name() == "cuda" else 0
     if device_count == 0:
         raise RuntimeError("zero.Init: the data-parallel group is NCCL but this process sees no GPU; pass "
                            "Init(device=...)")

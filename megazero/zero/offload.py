@@ -45,6 +45,7 @@ import torch.distributed as dist
 from megazero.distributed import all_reduce_sum
 from megazero.optim.protocol import GradScaleTaker, takes_grad_scale, writes_copies
 from megazero.zero.grad_swap import GradSwapper, drop_grad_partition
+from megazero.zero.optimizer_check import check_zero_optimizer
 from megazero.zero.staging import pinned
 from megazero.zero.swap import SwapDirectory, SwapFiles, new_run_id
 
@@ -686,14 +687,22 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 def build_offload(config, state, group=None):
     """(state, wrap_optimizer) for an EngineConfig: `state` wrapped for
     `zero_optimization.offload_optimizer`, and the function that turns the optimizer built over its
-    masters into the one the engine steps. Unchanged (and the identity) when nothing is offloaded:
-    device none, or cpu without a GPU (the in-memory path)."""
+    masters into the one the engine steps, after checking it may run under ZeRO
+    (megazero.zero.optimizer_check). Unchanged (and the identity) when nothing is offloaded: device
+    none, or cpu without a GPU (the in-memory path)."""
     zero = config.zero_optimization
     offload = zero.offload_optimizer
+
+    def checked(wrap):
+        def check_then_wrap(optimizer):
+            check_zero_optimizer(config, optimizer)
+            return wrap(optimizer)
+        return check_then_wrap
+
     on_gpu = any(m.device.type != "cpu" for part in state.parts for m in part.masters) if offload.device != "none" \
         else False
     if offload.device == "none" or (offload.device == "cpu" and not on_gpu):
-        return state, lambda optimizer: optimizer
+        return state, checked(lambda optimizer: optimizer)
     offloaded = OffloadedState(state, offload.device, offload.nvme_path, zero.sub_group_size, offload.buffer_count,
                                offload.pin_memory, config.aio.model_dump(), group)
-    return offloaded, lambda optimizer: OffloadedOptimizer(optimizer, offloaded)
+    return offloaded, checked(lambda optimizer: OffloadedOptimizer(optimizer, offloaded))

@@ -17,8 +17,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megazero.zero.averaging import AVERAGE_THEN_SUM, GradientAveraging
 from megazero.zero.buckets import BucketedGradients, InflightLimit
 from megazero.zero.collectives import Handle, all_gather_chunks, reduce_scatter_chunks
+from megazero.zero.gathering import DEFAULT_GATHERING, ParameterGathering
 from megazero.zero.layout import Bucket, FlatLayout
 from megazero.zero.master_partitions import MasterPartitions, add_reduced_gradient
 from megazero.zero.partition_checkpoint import PartitionCheckpoint
@@ -28,7 +30,9 @@ class _GroupPartition:
     """One optimizer param group: its layout, flat parameters, master and gradient chunks."""
 
     def __init__(self, params: list[torch.nn.Parameter], group_index: int, stage: int, group, bucket_numel: int,
-                 overlap: bool, inflight: InflightLimit, grad_divisor: int | None = None):
+                 overlap: bool, inflight: InflightLimit, grad_divisor: int | None = None,
+                 averaging: GradientAveraging = AVERAGE_THEN_SUM,
+                 gathering: ParameterGathering = DEFAULT_GATHERING):
         self.group_index = group_index
         self.group = group
         self.world_size = dist.get_world_size(group)
@@ -53,7 +57,9 @@ class _GroupPartition:
             self.masters = [torch.nn.Parameter(view) for view in self.layout.split_partition(flat_master)]
         self.stage = stage
         self.grads = BucketedGradients(self.layout, self._reduce_scatter, self.world_size, overlap,
-                                       staged=stage == 2, device=device, inflight=inflight, divisor=grad_divisor)
+                                       staged=stage == 2, device=device, inflight=inflight, divisor=grad_divisor,
+                                       averaging=averaging)
+        self.gathering = gathering
         if stage == 1:  # reduced gradients stay in the full buffer: this rank's chunk of each bucket
             self.grad_partition = None
             self.grad_views = self.layout.own_chunks(self.grads.buffer, self.rank)
@@ -64,10 +70,17 @@ class _GroupPartition:
 
     def _reduce_scatter(self, bucket: Bucket, tensor: torch.Tensor) -> Handle:
         inner = reduce_scatter_chunks(tensor, self.group, f"gradient bucket {bucket.index}")
-        if self.stage == 1:  # the reduced chunk is already where the master's gradient view points
-            return inner
         mine = tensor.view(self.world_size, -1)[self.rank]
-        return Handle([inner], lambda: add_reduced_gradient(self, bucket.index, mine))
+        after = self.grads.after
+        if self.stage == 1:  # the reduced chunk is already where the master's gradient view points
+            return inner if after == 1 else Handle([inner], lambda: mine.mul_(after))
+
+        def finish() -> None:
+            if after != 1:
+                mine.mul_(after)
+            add_reduced_gradient(self, bucket.index, mine)
+
+        return Handle([inner], finish)
 
     def copy_targets(self) -> dict[int, torch.Tensor]:
         """{id(master chunk): this rank's 16-bit chunk of the flat parameters} (empty when aliased)."""
@@ -84,7 +97,8 @@ class _GroupPartition:
             for b, master in zip(self.layout.buckets, self.masters):
                 if not self.aliased and not copies_written:
                     self.flat_params[slice(*self.layout.rank_range(b, self.rank))].copy_(master)
-                handles.append(all_gather_chunks(self.flat_params[b.start:b.start + b.numel], self.group, "parameters"))
+                handles.append(all_gather_chunks(self.flat_params[b.start:b.start + b.numel], self.group, "parameters",
+                                                 self.gathering.bucket_numel, self.gathering.broadcasts))
         return handles
 
     def reset_masters(self) -> None:
@@ -102,7 +116,9 @@ class PartitionedState(MasterPartitions, PartitionCheckpoint):
     params_partitioned = False
 
     def __init__(self, groups: list[list[torch.nn.Parameter]], group, bucket_numel: int, overlap: bool,
-                 stage: int, isolate: list[torch.nn.Parameter] = (), grad_divisor: int | None = None):
+                 stage: int, isolate: list[torch.nn.Parameter] = (), grad_divisor: int | None = None,
+                 averaging: GradientAveraging = AVERAGE_THEN_SUM,
+                 gathering: ParameterGathering = DEFAULT_GATHERING):
         # grad_divisor: what the summed gradients are divided by (default: the group's size)
         if stage not in (1, 2):
             raise ValueError(f"PartitionedState handles ZeRO stages 1 and 2, got {stage}")
@@ -116,7 +132,8 @@ class PartitionedState(MasterPartitions, PartitionCheckpoint):
         for gi, g in enumerate(groups):
             plan.append(([p for p in g if id(p) not in alone], gi))
             plan += [([p], gi) for p in g if id(p) in alone]
-        self.parts = [_GroupPartition(params, gi, stage, group, bucket_numel, overlap, inflight, grad_divisor)
+        self.parts = [_GroupPartition(params, gi, stage, group, bucket_numel, overlap, inflight, grad_divisor,
+                                     averaging, gathering)
                       for params, gi in plan if params]
 
     @property

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from megazero.distributed import all_reduce_sum
 from megazero.precision import MasterParams
+from megazero.zero.averaging import SUM_THEN_AVERAGE, GradientAveraging
 from megazero.zero.buckets import BucketedGradients
 from megazero.zero.collectives import Handle, all_reduce
 from megazero.zero.layout import FlatLayout
@@ -57,17 +58,20 @@ class ReplicatedState:
     export_parameter_states = staticmethod(export_replicated)
 
     def __init__(self, groups: list[list[torch.nn.Parameter]], group, bucket_numel: int, overlap: bool,
-                 grad_divisor: int | None = None):
+                 grad_divisor: int | None = None, averaging: GradientAveraging = SUM_THEN_AVERAGE):
         self.group = group
         self.world_size = dist.get_world_size(group)
         params = [p for g in groups for p in g]
         self.master = MasterParams(params)
         self.layout = FlatLayout(params, bucket_numel, 1)
         # grad_divisor: what the summed gradients are divided by (default: the group's size)
-        self.grads = BucketedGradients(self.layout, self._all_reduce, self.world_size, overlap, divisor=grad_divisor)
+        self.grads = BucketedGradients(self.layout, self._all_reduce, self.world_size, overlap, divisor=grad_divisor,
+                                       averaging=averaging)
 
     def _all_reduce(self, bucket, tensor: torch.Tensor) -> Handle:
-        return all_reduce(tensor, self.group, f"gradient bucket {bucket.index}")
+        inner = all_reduce(tensor, self.group, f"gradient bucket {bucket.index}")
+        after = self.grads.after
+        return inner if after == 1 else Handle([inner], lambda: tensor.mul_(after))
 
     def optimizer_groups(self, groups: list[dict]) -> list[dict]:
         """The optimizer's param groups, over the fp32 master weights."""

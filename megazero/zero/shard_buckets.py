@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megazero.zero.averaging import AVERAGE_THEN_SUM, GradientAveraging
 from megazero.zero.buckets import InflightLimit
 from megazero.zero.collectives import Handle, reduce_scatter_chunks
 from megazero.zero.layout import Bucket
@@ -94,9 +95,11 @@ class ShardedGradients:
     them into the shards' gradient partitions (`shard.grad_views[bucket.index]`)."""
 
     def __init__(self, shards_in_backward_order: list, bucket_numel: int, group, world_size: int, rank: int,
-                 overlap: bool, device, inflight: InflightLimit | None = None):
+                 overlap: bool, device, inflight: InflightLimit | None = None,
+                 averaging: GradientAveraging = AVERAGE_THEN_SUM):
         self.group = group
         self.world_size = world_size
+        self.before, self.after = averaging.before(world_size), averaging.after(world_size)
         self.rank = rank
         self.overlap = overlap
         self.buckets = plan_reduce_buckets(shards_in_backward_order, bucket_numel, world_size)
@@ -141,12 +144,14 @@ class ShardedGradients:
 
     def _launch(self, rb: ReduceBucket) -> None:
         buffer = self._buffer(rb)
-        if self.world_size > 1:
-            buffer.div_(self.world_size)  # pre-divide: the sum of averages is the average
+        if self.before != 1:
+            buffer.div_(self.before)  # the rest of the division after the reduction (megazero.zero.averaging)
         inner = reduce_scatter_chunks(buffer, self.group, f"gradient bucket {rb.index}")
         mine = buffer.view(self.world_size, -1)[self.rank]
 
         def add_into_partitions() -> None:
+            if self.after != 1:
+                mine.mul_(self.after)
             for piece in rb.pieces:
                 chunk = piece.bucket.chunk(self.world_size)
                 add_reduced_gradient(piece.shard, piece.bucket.index, mine[piece.column:piece.column + chunk])

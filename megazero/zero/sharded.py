@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megazero.zero.averaging import AVERAGE_THEN_SUM, GradientAveraging
 from megazero.zero.buckets import InflightLimit
 from megazero.zero.collectives import Handle, all_gather_chunks
 from megazero.zero.fetch import UnitFetcher
@@ -196,7 +197,8 @@ class ShardedState(MasterPartitions, PartitionCheckpoint):
     def __init__(self, model: torch.nn.Module, groups: list[list[torch.nn.Parameter]], group,
                  persistence_threshold: int, prefetch_numel: int = 50_000_000,
                  bucket_numel: int = 500_000_000, overlap: bool = True, granularity_threshold: int = 0,
-                 param_swap=None, defer_masters: bool = False, swap_grads: bool = False):
+                 param_swap=None, defer_masters: bool = False, swap_grads: bool = False,
+                 averaging: GradientAveraging = AVERAGE_THEN_SUM):
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.bucket_numel = bucket_numel
@@ -237,7 +239,7 @@ class ShardedState(MasterPartitions, PartitionCheckpoint):
         backward_order = [s for u in reversed(self.units) for s in u.shards]
         device = self.parts[0].device if self.parts else torch.device("cpu")
         self.grads = ShardedGradients(backward_order, bucket_numel, group, self.world_size, dist.get_rank(group),
-                                      overlap, device, InflightLimit())
+                                      overlap, device, InflightLimit(), averaging)
         # after the gradient hooks: a unit is released once its gradients are copied
         self.hooks = UnitHooks(model, self.units, self.fetcher)
         if param_swap is not None:

@@ -62,9 +62,11 @@ def test_amsgrad_takes_torchs_optimizer():
     assert type(_build("AdamW", {"amsgrad": False})) is FusedCPUAdam
 
 
-def test_adam_without_bias_correction_is_refused():
-    with pytest.raises(ValueError, match="bias_correction.*Lamb"):
-        _build("Adam", {"bias_correction": False})
+def test_adam_without_bias_correction_runs_megazeros_adam():
+    opt = _build("Adam", {"bias_correction": False})
+    assert type(opt) is FusedCPUAdam and opt.defaults["bias_correction"] is False
+    with pytest.raises(ValueError, match="bias_correction' false with 'optimizer.params.amsgrad' true"):
+        _build("Adam", {"bias_correction": False, "amsgrad": True})
 
 
 def test_16_bit_or_mixed_params_take_torchs_adam():
