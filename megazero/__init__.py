@@ -27,9 +27,9 @@ __all__ = ["initialize", "init_distributed", "add_config_arguments", "Engine", "
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add --deepspeed_config / --megazero_config (one engine JSON file) and --deepspeed to `parser`."""
     group = parser.add_argument_group("megazero", "engine configuration")
-    group.add_argument("--megazero_config", "--deepspeed_config", dest="megazero_config", default=None,
-                       help="engine JSON config (DeepSpeed-compatible)")
-    group.add_argument("--deepspeed", "--megazero", dest="megazero", action="store_true",
+    group.add_argument("--deepspeed_config", "--megazero_config", "--deepscale_config", dest="deepspeed_config",
+                       default=None, help="engine JSON config (DeepSpeed-compatible)")
+    group.add_argument("--deepspeed", "--megazero", "--deepscale", dest="deepspeed", action="store_true",
                        help="accepted for DeepSpeed compatibility; the engine is always used")
     return parser
 
@@ -186,13 +186,16 @@ def _warn_model_parameters_ignored(model_parameters, optimizer: torch.optim.Opti
 
 
 def _config_source(args, config):
+    path = next((p for p in (getattr(args, name, None) for name in ("deepspeed_config", "megazero_config")) if p),
+                None)
+    if config is not None and path is not None:  # as DeepSpeed: which one was meant is not ours to guess
+        raise ConfigError(f"two engine configs: --deepspeed_config {path} in args and config= in initialize(); "
+                          f"give one")
     if config is not None:
         return config
-    for name in ("megazero_config", "deepspeed_config"):
-        path = getattr(args, name, None)
-        if path:
-            return path
-    raise ConfigError("no engine config: pass config= (dict or JSON path) or --megazero_config/--deepspeed_config")
+    if path is not None:
+        return path
+    raise ConfigError("no engine config: pass config= (dict or JSON path) or --deepspeed_config")
 
 
 def _param_groups(optimizer, model_parameters, model: torch.nn.Module, config: EngineConfig) -> list[dict]:

@@ -113,11 +113,26 @@ class CPUAccelerator:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
     def max_memory_allocated(self, device_index: int | None = None) -> int:
-        """The most resident memory this process has held, in bytes."""
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        """The most resident memory this process has held since its start or the last
+        reset_peak_memory_stats, in bytes (Linux's VmHWM; at least memory_allocated())."""
+        peak = None
+        try:
+            with open("/proc/self/status") as f:
+                peak = next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")), None)
+        except OSError:
+            pass
+        if peak is None:  # not Linux: the process's lifetime peak
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return max(peak, self.memory_allocated())
 
     def reset_peak_memory_stats(self, device_index: int | None = None) -> None:
-        """The operating system keeps the peak for the process's life: nothing to reset."""
+        """Start max_memory_allocated again from the current resident memory (Linux: the kernel's
+        peak is reset through /proc/self/clear_refs; elsewhere the lifetime peak stays)."""
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
 
 
 class CUDAAccelerator(CPUAccelerator):

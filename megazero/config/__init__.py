@@ -165,8 +165,17 @@ class ZeroConfig(Section):
                              "parameters is a unit)")
     contiguous_gradients: true_only("megazero always keeps gradients in contiguous buffers") = Field(
         True, description="gradient partitions are always one contiguous buffer here (true only)")
-    reduce_scatter: true_only("gradients are always reduce-scattered") = Field(
-        True, description="stages 2-3 always reduce-scatter the gradients (true only)")
+    reduce_scatter: Bool = Field(
+        True, description="stages 1-3 always reduce-scatter the gradients (false: a warning, no effect: an "
+                          "all-reduce gives the same average)")
+
+    @field_validator("reduce_scatter")
+    @classmethod
+    def _reduce_scatter_always(cls, value: bool) -> bool:
+        if value is False:
+            warnings.warn("config key 'zero_optimization.reduce_scatter' false has no effect in megazero: stages 1-3 "
+                          "always reduce-scatter the gradients (an all-reduce gives the same average)", stacklevel=2)
+        return True
     stage3_gather_16bit_weights_on_model_save: Bool = Field(
         False, validation_alias=AliasChoices("stage3_gather_16bit_weights_on_model_save",
                                              "gather_16bit_weights_on_model_save",
@@ -439,6 +448,15 @@ class OptimizerConfig(_TypedBlock):
     def _missing(cls, type_name: str) -> str | None:
         return DEEPSPEED_ONLY_OPTIMIZERS.get(type_name.lower())
 
+    @field_validator("params", mode="before")
+    @classmethod
+    def _no_clipping_in_params(cls, value: Any) -> Any:
+        # DeepSpeed's parser passes it and its engine refuses it when it builds the optimizer: say so here
+        if isinstance(value, dict) and "max_grad_norm" in value:
+            raise config_error("'{path}.max_grad_norm' is not an optimizer parameter (DeepSpeed's engine refuses it "
+                               "too): clip with the top-level 'gradient_clipping'")
+        return value
+
 
 class SchedulerConfig(_TypedBlock):
     """`scheduler`: {"type": one of megazero.optim.lr_schedules.SCHEDULERS, "params": {...}}, with
@@ -485,10 +503,10 @@ class EngineConfig(Section):
     gradient_clipping: Float = Field(0.0, ge=0, description="clip the global gradient norm to this; 0 = off")
     prescale_gradients: Bool = Field(
         False, description="stage 0: divide gradients by the data-parallel size before their all-reduce (false: by "
-                           "gradient_predivide_factor before, the rest after); stages 1-3 always divide first")
+                           "gradient_predivide_factor before, the rest after); stages 1-3 divide first and refuse it")
     gradient_predivide_factor: Float = Field(
         1.0, gt=0, description="stage 0 with prescale_gradients false: gradients are divided by this before their "
-                               "all-reduce and by data-parallel size / this after it")
+                               "all-reduce and by data-parallel size / this after it (stages 1-3 refuse it)")
     zero_allow_untested_optimizer: Bool = Field(
         False, description="ZeRO stages 1-3 accept an optimizer passed to initialize() that is not one megazero "
                            "builds (whose update may read whole tensors, which ZeRO partitions)")

@@ -354,5 +354,5 @@ def _unknown_message(text: str, key: str, names: list[str], loc: tuple) -> str:
     prefix = canonical(dotted(loc)) + "." if loc else ""
     deepspeed_here = [k[len(prefix):] for k in RULES if k.startswith(prefix) and "." not in k[len(prefix):]]
     hint = suggest(key, names) or suggest(key, deepspeed_here)
-    return (f"unknown key '{text}'{hint}; valid keys: {', '.join(sorted(names))} (neither megazero nor DeepSpeed "
-            f"defines it; ${UNKNOWN_KEYS_ENV}=warn makes it a warning)")
+    return (f"unknown key '{text}'{hint} (neither megazero nor DeepSpeed defines it; {UNKNOWN_KEYS_ENV}=warn in the "
+            f"environment drops it with a warning); valid keys: {', '.join(sorted(names))}")

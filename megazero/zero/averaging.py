@@ -5,8 +5,9 @@ Stage 0 (an all-reduce) follows DeepSpeed's `prescale_gradients` and `gradient_p
 with `prescale_gradients` the gradients are divided by the data-parallel size before they are
 summed; without it (DeepSpeed's default) they are divided by `gradient_predivide_factor` before
 and by data-parallel size / factor after, so a factor of 1 sums the raw gradients and divides the
-sum. Stages 1-3 (a reduce-scatter) divide by the data-parallel size before the reduction, and
-refuse the two keys, as DeepSpeed's stages do. The result is the average either way; what differs
+sum. Stages 1-3 (a reduce-scatter) divide by the data-parallel size before the reduction and
+refuse the two keys (DeepSpeed's stages 2-3 refuse them with reduce_scatter on; its stage 1 takes
+them). The result is the average either way; what differs
 is the magnitude the reduction carries (and its rounding).
 """
 
@@ -30,10 +31,10 @@ class GradientAveraging:
         if zero_config.stage == 0:
             return cls(prescale, factor)
         if prescale or factor != 1.0:
-            raise ValueError(f"prescale_gradients {str(prescale).lower()} and gradient_predivide_factor {factor} at "
-                             f"zero_optimization.stage {zero_config.stage}: stages 1-3 divide the gradients by the "
-                             f"data-parallel size before their reduce-scatter, as DeepSpeed's do (it refuses these "
-                             f"keys there too); use them at stage 0, or leave them at false and 1.0")
+            given = "'prescale_gradients': true" if prescale else f"'gradient_predivide_factor': {factor}"
+            raise ValueError(f"{given} at zero_optimization.stage {zero_config.stage}: megazero's stages 1-3 divide "
+                             f"the gradients by the data-parallel size before their reduce-scatter (as DeepSpeed's "
+                             f"stages 2-3 must), so the key applies at stage 0 only")
         return AVERAGE_THEN_SUM
 
     def before(self, divisor: float) -> float:

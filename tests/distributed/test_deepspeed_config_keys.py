@@ -64,7 +64,7 @@ def _stage_averaging(stage: int) -> dict:
         try:
             _one_step(sgd_config(stage, **keys))
         except ValueError as e:
-            refused.append("before their reduce-scatter, as DeepSpeed's do" in str(e))
+            refused.append("divide the gradients by the data-parallel size before their reduce-scatter" in str(e))
     return {"raw_over_divided": raw / divided, "refused": refused}
 
 

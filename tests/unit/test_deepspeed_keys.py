@@ -9,6 +9,7 @@ import json
 import warnings
 
 import pytest
+import torch
 
 from megazero.config import ConfigError, parse_config
 from megazero.config.deepspeed_keys import (
@@ -148,7 +149,7 @@ def test_a_key_nobody_defines_is_an_error_with_a_suggestion():
         {"prescale_gradient": True})
     assert "unknown key 'zero_optimization.allgather_bucket' (did you mean 'allgather_bucket_size'?)" in _error(
         {"zero_optimization": {"allgather_bucket": 5}})
-    assert f"${UNKNOWN_KEYS_ENV}=warn" in _error({"cuda_visible_devices": 0})
+    assert f"{UNKNOWN_KEYS_ENV}=warn in the environment drops it" in _error({"cuda_visible_devices": 0})
 
 
 def test_the_switch_makes_unknown_keys_warnings(monkeypatch):
@@ -171,3 +172,33 @@ def test_the_docs_table_has_a_class_for_every_key():
     assert "| `prescale_gradients` | implemented |" in table
     assert '| `data_efficiency` | refused (no effect when "enabled": false) |' in table
     assert "| `seed` | megazero only |" in table
+
+
+def test_clipping_in_optimizer_params_is_refused_with_the_key_to_use():
+    """Six of DeepSpeedExamples' configs carry it: DeepSpeed's parser passes it, its engine refuses it."""
+    with pytest.raises(ConfigError, match="'optimizer.params.max_grad_norm' is not an optimizer parameter.*"
+                                          "'gradient_clipping'"):
+        parse_config({"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"max_grad_norm": 1.0}}}, 1)
+
+
+def test_reduce_scatter_false_is_accepted_without_effect():
+    with pytest.warns(UserWarning, match="'zero_optimization.reduce_scatter' false has no effect"):
+        config = parse_config({"train_batch_size": 8, "zero_optimization": {"stage": 2, "reduce_scatter": False}}, 1)
+    assert config.zero_optimization.reduce_scatter is True
+
+
+def test_add_config_arguments_gives_deepspeeds_attributes(tmp_path):
+    """A DeepSpeed script reads args.deepspeed_config (e.g. to json.load it) and args.deepspeed; any of
+    DeepSpeed's spellings fills them; initialize() refuses a file in args beside a config= dict."""
+    import argparse
+
+    import megazero
+
+    for spelling in ("--deepspeed_config", "--megazero_config", "--deepscale_config"):
+        args = megazero.add_config_arguments(argparse.ArgumentParser()).parse_args(["--deepspeed", spelling, "c.json"])
+        assert (args.deepspeed_config, args.deepspeed) == ("c.json", True)
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"train_batch_size": 8}))
+    args = argparse.Namespace(deepspeed_config=str(path))
+    with pytest.raises(ConfigError, match="two engine configs: --deepspeed_config .*c.json in args and config="):
+        megazero.initialize(args=args, model=torch.nn.Linear(2, 2), config={"train_batch_size": 8})
