@@ -32,7 +32,7 @@ def _one_step(config: dict) -> tuple[float, dict[str, torch.Tensor]]:
     for (module, name), original in zip(patched, originals):
         setattr(module, name, recording(original))
     try:
-        engine, loader = build_tiny(config, dropout=0.0)
+        engine, loader = build_tiny(config)
         engine.backward(engine(next(iter(loader))))
         engine.step()
     finally:
@@ -79,7 +79,7 @@ def _gathers(stage: int) -> dict:
     for name, zero in (("default", {}), ("broadcast", {"allgather_partitions": False}),
                        ("small", {"allgather_bucket_size": 64})):
         config = tiny_config(stage, zero_optimization={"reduce_bucket_size": 100_000, **zero})
-        engine, loader = build_tiny(config, dropout=0.0)
+        engine, loader = build_tiny(config)
         engine.backward(engine(next(iter(loader))))
         traffic.reset()
         engine.step()
@@ -104,7 +104,7 @@ def test_allgather_partitions_and_bucket_size(pools, stage):
 
 def _input_dtypes(auto_cast: bool) -> list[str]:
     seen = []
-    engine, loader = build_tiny(tiny_config(0, fp16={"enabled": True, "auto_cast": auto_cast}), dropout=0.0)
+    engine, loader = build_tiny(tiny_config(0, fp16={"enabled": True, "auto_cast": auto_cast}))
     engine.module.register_forward_pre_hook(lambda module, args: seen.append(str(args[0]["x"].dtype)))
     engine(next(iter(loader)))
     return seen
