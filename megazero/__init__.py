@@ -106,6 +106,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
             group["params"] = new["params"]
     else:
         optimizer = optimizer(optimizer_groups)
+    _bind_averager(optimizer, dp_state, dp_group, engine_config)  # its ZeRO refusal before any other check
     optimizer = wrap_optimizer(optimizer)  # offloaded: stepped sub-group by sub-group
     _warn_client_scheduler_wins(lr_scheduler, engine_config)
     if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
@@ -132,6 +133,25 @@ def _check_model_parallel(grid, config: EngineConfig) -> None:
         warnings.warn(f"gradient_accumulation_steps {config.gradient_accumulation_steps} (the pipeline's "
                       f"micro-batches) < {grid.pipeline_model_parallel_size} stages: most of each step is "
                       f"pipeline bubble", stacklevel=3)
+
+
+def _bind_averager(optimizer, dp_state, dp_group, config: EngineConfig) -> None:
+    """An optimizer that averages over the data-parallel group itself (the 1-bit optimizers) gets
+    the group; it needs whole, replicated gradients it can keep local, i.e. ZeRO stage 0."""
+    from megazero.optim.protocol import DataParallelAverager
+    from megazero.zero import ReplicatedState
+
+    if not isinstance(optimizer, DataParallelAverager):
+        return
+    name = type(optimizer).__name__
+    if config.zero_optimization.stage != 0:
+        raise ConfigError(f"optimizer {name} with zero_optimization.stage {config.zero_optimization.stage}: it "
+                          f"compresses the whole momentum of every rank, which ZeRO partitions; use stage 0 "
+                          f"(DeepSpeed refuses this combination too)")
+    if not isinstance(dp_state, ReplicatedState):
+        raise ConfigError(f"optimizer {name} with expert (MoE) parameters: their gradients are reduced over the "
+                          f"expert-data-parallel group, which it does not compress; use Adam or Lamb")
+    optimizer.bind_data_parallel(dp_group)
 
 
 def _check_model_chunks(model: torch.nn.Module, grid, config: EngineConfig) -> None:

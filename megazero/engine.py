@@ -26,7 +26,7 @@ from megazero.moe.aux_loss import aux_loss_gradient_scale
 from megazero.moe.layer import attached_aux_loss
 from megazero.monitor import Monitor
 from megazero.numerics import loss_guard, numerics_error
-from megazero.optim.protocol import GradScaleTaker, takes_grad_scale, writes_copies
+from megazero.optim.protocol import DataParallelAverager, GradScaleTaker, takes_grad_scale, writes_copies
 from megazero.parallel_state import ParallelGrid
 from megazero.precision import LossScaler, cast_floating
 from megazero.profiling.memory import ActivationMeter
@@ -98,6 +98,8 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         # decided once: the engine sets grad_scale on torch's fused Adam too, which would then look
         # like a GradScaleTaker
         self._grad_scale_as_float = isinstance(optimizer, GradScaleTaker)
+        # an optimizer that averages over the data-parallel group itself (1-bit Adam once compressing)
+        self._averager = optimizer if isinstance(optimizer, DataParallelAverager) else None
         self._optimizer_writes_copies = False
         targets = dp_state.copy_targets() if writes_copies(optimizer) else {}
         masters = [p for group in optimizer.param_groups for p in group["params"]]
@@ -214,6 +216,8 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
 
     def _backward(self, output: torch.Tensor, output_grad: torch.Tensor | None = None) -> None:
         reduces = self._reduces_this_backward(self.is_gradient_accumulation_boundary())
+        if self._averager is not None:  # asked per window: it turns true when compression starts
+            self.dp.local_gradients = self._averager.local_gradients
         self.dp.begin_micro_step(reduces)
         self.timers("backward").start()
         # MoE auxiliary losses attached to activations get the gradient the loss gets (megazero/moe/aux_loss.py)

@@ -9,6 +9,8 @@ Files of save_dir/tag/ (names in checkpoint.files), per (tensor rank TP, pipelin
   zero_pp_rank_{D}_mp_rank_{TP}[_{PP}]_optim_states.pt   a partitioned one (ZeRO 1-3): data-parallel
                                rank D's state_dict() (master and optimizer partitions, their layout)
   rng_state_rank{R}.pt         each rank's torch / python / numpy RNG states (and the TP tracker's)
+  optim_rank_state_rank{R}.pt  an optimizer's state of its own on each rank (RankLocalState: the
+                               1-bit optimizers' compression errors), restored at the same layout
 Resuming at the same layout restores all of it, and the engine's data loader position, so a
 resumed run continues bit for bit like an uninterrupted one. At any other layout (TP, PP, DP or
 ZeRO stage changed) the states are reassembled per parameter and cut again (checkpoint.universal);
@@ -36,6 +38,7 @@ from megazero.checkpoint.files import (
     model_file,
     model_files_in,
     optim_file,
+    rank_state_file,
     replaced_dir,
     rng_file,
     zero_file,
@@ -54,6 +57,7 @@ from megazero.checkpoint.io import (
 from megazero.checkpoint.manifest import check_files, complete_tags, directory_problems, read_manifest
 from megazero.checkpoint.universal import apply_parameter_states, read_parameter_states, saved_layout
 from megazero.model_contract import global_name_of, model_config_dict
+from megazero.optim.protocol import RankLocalState
 from megazero.tensor_parallel.random import get_rng_tracker
 from megazero.tensor_parallel.utils import partition_of
 
@@ -130,6 +134,8 @@ def save_engine_checkpoint(engine, save_dir, tag, client_state: dict) -> str:
         if engine.dp.state_partitioned or engine.dp_rank == 0:  # a replicated state: one writer
             save_file(engine.dp.state_dict(engine.optimizer, names), os.path.join(tmp, state_name))
         save_file(capture_rng_state(), os.path.join(tmp, rng_file(engine.global_rank)))
+        if isinstance(engine.optimizer, RankLocalState):
+            save_file(engine.optimizer.rank_state_dict(), os.path.join(tmp, rank_state_file(engine.global_rank)))
     return os.path.join(save_dir, tag)
 
 
@@ -317,6 +323,7 @@ def load_engine_checkpoint(engine, load_dir, tag, load_optimizer_states: bool, l
         apply_parameter_states(engine, read_parameter_states(path), load_optimizer_states, names)
         engine.module.load_state_dict(_local_buffers(engine, state), strict=False)
     _restore_engine_state(engine, state, load_lr_scheduler_states)
+    _restore_rank_state(engine, path, same_layout, load_optimizer_states)
     if not same_layout:  # another layout may accumulate another number of micro-batches per step
         engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
     into_step = state.get("micro_steps_into_step", engine.micro_steps % engine.gradient_accumulation_steps()) \
@@ -333,6 +340,25 @@ def load_engine_checkpoint(engine, load_dir, tag, load_optimizer_states: bool, l
         warnings.warn(f"{path}: {why}: this rank's torch/python/numpy generator states not restored (dropout "
                       f"streams are keyed by seed, step and micro-batch, so they continue)", stacklevel=3)
     return path, state["client_state"]
+
+
+def _restore_rank_state(engine, path: str, same_layout: bool, load_optimizer_states: bool) -> None:
+    """An optimizer's per-rank state (RankLocalState): this rank's file at the same layout; otherwise
+    (or without the optimizer states) it starts afresh, with a warning."""
+    optimizer = engine.optimizer
+    if not isinstance(optimizer, RankLocalState):
+        return
+    own = os.path.join(path, rank_state_file(engine.global_rank))
+    if same_layout and load_optimizer_states and os.path.isfile(own):
+        optimizer.load_rank_state_dict(load_file(own))
+        engine.dp.update_model()  # it may hold this rank's own weights (0/1 Adam between synchronisations)
+        return
+    optimizer.load_rank_state_dict(None)
+    why = ("optimizer states not loaded" if not load_optimizer_states else "saved at another layout"
+           if not same_layout else f"no {rank_state_file(engine.global_rank)}")
+    if engine.global_rank == 0:
+        warnings.warn(f"{path}: {why}: {type(optimizer).__name__}'s per-rank state (compression errors) starts "
+                      f"afresh", stacklevel=4)
 
 
 def _any_model_file(path: str) -> str:

@@ -8,6 +8,8 @@ format version the model files record.
                                                  state and fp32 masters, written by DP rank 0
       zero_pp_rank_{DP}_mp_rank_{TP}_optim_states.pt   a partitioned one (ZeRO 1-3): DP rank DP's partitions
       rng_state_rank{R}.pt                       each global rank's RNG states
+      optim_rank_state_rank{R}.pt                an optimizer's own per-rank state (the 1-bit
+                                                 optimizers' compression errors), when it has one
       manifest.json                              every other file's size and checksum, and the layout:
                                                  written last, so a directory with one is complete
     save_dir/.{tag}.tmp/, save_dir/.{tag}.old/   a checkpoint being written, one being replaced
@@ -58,6 +60,11 @@ def zero_file(dp_rank: int, tp_rank: int = 0, pp_rank: int = 0, pp_size: int = 1
 def rng_file(rank: int) -> str:
     """Name of the RNG-state file of global rank `rank`."""
     return f"rng_state_rank{rank}.pt"
+
+
+def rank_state_file(rank: int) -> str:
+    """Name of the per-rank optimizer state file of global rank `rank` (megazero.optim.protocol.RankLocalState)."""
+    return f"optim_rank_state_rank{rank}.pt"
 
 
 def model_files_in(path: str) -> list[str]:

@@ -416,12 +416,9 @@ class _TypedBlock(Section):
         return validate_given(cls._models()[cls._key(info.data["type"])], value)
 
 
-_ONE_BIT = ("DeepSpeed's compressed-communication (1-bit) optimizer, not implemented in megazero (1-bit "
-            "Adam, 0/1 Adam and 1-bit LAMB)")
 _MUP = "DeepSpeed's muP optimizer (maximal update parametrization), not implemented in megazero"
 # optimizer types DeepSpeed builds from its config that megazero does not (any case): why
-DEEPSPEED_ONLY_OPTIMIZERS = {"onebitadam": _ONE_BIT, "zerooneadam": _ONE_BIT, "onebitlamb": _ONE_BIT,
-                             "muadam": _MUP, "muadamw": _MUP, "musgd": _MUP,
+DEEPSPEED_ONLY_OPTIMIZERS = {"muadam": _MUP, "muadamw": _MUP, "musgd": _MUP,
                              "muon": "DeepSpeed's Muon optimizer, not implemented in megazero"}
 
 

@@ -55,6 +55,7 @@ class OpSpec:
 SPECS = {
     "cpu_optimizers": OpSpec("cpu_optimizers", ["cpu_optimizers.cpp"]),
     "cpu_norms": OpSpec("cpu_norms", ["cpu_norms.cpp"]),  # fused RMSNorm on CPU
+    "cpu_compression": OpSpec("cpu_compression", ["cpu_compression.cpp"]),  # the 1-bit optimizers' compression
     "cuda_kernels": OpSpec("cuda_kernels", ["cuda_kernels.cpp", "cuda_kernels.cu"], cuda=True),
     # plain POSIX I/O on std::threads: no OpenMP, no system library (no libaio or io_uring)
     "aio": OpSpec("aio", ["aio.cpp"], cflags=["-O2", "-pthread"], ldflags=["-pthread"]),

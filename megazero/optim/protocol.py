@@ -16,6 +16,16 @@ below), and the engine asks through `takes_grad_scale` and `writes_copies`, noth
 
 megazero's fused CPU/CUDA optimizers (megazero.ops) implement both; a new optimizer needs
 neither (Lion has neither: the engine unscales its gradients and casts its copies).
+
+Two more let an optimizer communicate itself (the 1-bit optimizers, megazero.optim.onebit):
+- `DataParallelAverager`: the engine hands it the data-parallel group once (bind_data_parallel)
+  and, before each accumulation window, asks `local_gradients`: when true the engine's
+  data-parallel state (ZeRO stage 0 only) neither reduces nor averages that window's gradients,
+  and step() averages what it needs over the group (a compressed momentum); the gradient norm is
+  then each rank's own, and an inf/nan on any rank skips the step everywhere.
+- `RankLocalState`: state that differs between data-parallel ranks (compression errors). The
+  checkpoint writes it per rank and restores it at the same layout; at another layout, or when
+  the optimizer states are not loaded, load_rank_state_dict(None) resets it.
 """
 
 from __future__ import annotations
@@ -38,6 +48,27 @@ class CopyTargetWriter(Protocol):
 
     def set_copy_targets(self, copies: dict[int, torch.Tensor]) -> None:
         """{id(master parameter): 16-bit tensor} to be written with each updated master."""
+
+
+@runtime_checkable
+class DataParallelAverager(Protocol):
+    """An optimizer that averages over the data-parallel group itself while `local_gradients` is true."""
+
+    local_gradients: bool
+
+    def bind_data_parallel(self, group) -> None:
+        """The data-parallel process group its step() communicates over (None: the default group)."""
+
+
+@runtime_checkable
+class RankLocalState(Protocol):
+    """An optimizer with state of its own on each data-parallel rank, saved per rank."""
+
+    def rank_state_dict(self) -> dict:
+        """This rank's own state (tensors and plain values)."""
+
+    def load_rank_state_dict(self, state: dict | None) -> None:
+        """Restore rank_state_dict()'s output; None: start that state afresh."""
 
 
 def takes_grad_scale(optimizer: torch.optim.Optimizer) -> bool:

@@ -18,12 +18,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from megazero.ops.cpu_optimizers import FusedCPUAdagrad, FusedCPUAdam, FusedCPULamb
 from megazero.ops.cuda_ops import FusedCUDAAdam, FusedCUDALamb
 from megazero.optim.lion import Lion, LionParams
+from megazero.optim.onebit import (
+    OneBitAdam,
+    OneBitAdamParams,
+    OneBitLamb,
+    OneBitLambParams,
+    ZeroOneAdam,
+    ZeroOneAdamParams,
+)
 from megazero.optim.params import AdagradParams, AdamParams, AdamWParams, LambParams, SGDParams
 
 Factory = Callable[..., torch.optim.Optimizer]
@@ -97,4 +106,11 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
     "lamb": OptimizerSpec("Lamb", LambParams, cpu=FusedCPULamb, cuda=FusedCUDALamb, reference=_lamb_reference),
     "adagrad": OptimizerSpec("Adagrad", AdagradParams, cpu=FusedCPUAdagrad, cuda=None, reference=torch.optim.Adagrad),
     "lion": OptimizerSpec("Lion", LionParams, cpu=None, cuda=None, reference=Lion),
+    # the compressed-communication ones (megazero.optim.onebit); DeepSpeed also spells it OnebitAdam
+    "onebitadam": OptimizerSpec("OneBitAdam", OneBitAdamParams, cpu=OneBitAdam, cuda=None,
+                                reference=partial(OneBitAdam, use_op=False)),
+    "zerooneadam": OptimizerSpec("ZeroOneAdam", ZeroOneAdamParams, cpu=ZeroOneAdam, cuda=None,
+                                 reference=partial(ZeroOneAdam, use_op=False)),
+    "onebitlamb": OptimizerSpec("OneBitLamb", OneBitLambParams, cpu=OneBitLamb, cuda=None,
+                                reference=partial(OneBitLamb, use_op=False)),
 }

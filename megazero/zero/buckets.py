@@ -156,6 +156,11 @@ class BucketedGradients:
             self._inflight.drain()
             self._staging.clear()
 
+    def finish_local(self) -> None:
+        """End a window whose gradients stay on this rank (an optimizer that averages over the group
+        itself, megazero.optim.protocol.DataParallelAverager): nothing is reduced or divided."""
+        self._zero_missing()
+
     def start_window(self) -> None:
         """After an optimizer step (or a skipped one): the next gradients start a new accumulation window."""
         self._written.clear()

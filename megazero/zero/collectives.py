@@ -1,4 +1,4 @@
-"""Reduce-scatter and all-gather over equal chunks, built from what is fast on each backend.
+"""Reduce-scatter, all-gather and all-to-all over equal chunks, built from what is fast on each backend.
 
 On NCCL the native reduce_scatter_tensor / all_gather_into_tensor are used. On gloo they are
 several times slower than point-to-point and broadcast (benchmarks/bench_collectives.py; numbers in
@@ -19,27 +19,33 @@ from megazero import watchdog
 
 
 class Traffic:
-    """Elements this process has sent and received through these collectives (ring-equivalent
-    volumes: reduce-scatter and all-gather move (N-1)/N of the buffer each way, all-reduce twice
-    that), and per kind of collective the number of calls and the largest buffer (elements)."""
+    """Elements (and bytes) this process has sent and received through these collectives
+    (ring-equivalent volumes: reduce-scatter and all-gather move (N-1)/N of the buffer each way,
+    all-reduce twice that), and per kind of collective the number of calls and the largest buffer
+    (elements)."""
 
     def __init__(self):
         self.sent = 0
         self.received = 0
+        self.sent_bytes = 0
+        self.received_bytes = 0
         self.calls: dict[str, int] = {}
         self.largest: dict[str, int] = {}
 
-    def add(self, sent: int, received: int, kind: str | None = None, numel: int = 0) -> None:
-        """Count one call of `kind` on a buffer of `numel` elements that moved sent/received elements."""
+    def add(self, sent: int, received: int, kind: str | None = None, numel: int = 0, itemsize: int = 4) -> None:
+        """Count one call of `kind` on a buffer of `numel` elements of `itemsize` bytes that moved
+        sent/received elements."""
         self.sent += sent
         self.received += received
+        self.sent_bytes += sent * itemsize
+        self.received_bytes += received * itemsize
         if kind is not None:
             self.calls[kind] = self.calls.get(kind, 0) + 1
             self.largest[kind] = max(self.largest.get(kind, 0), numel)
 
     def reset(self) -> None:
         """Zero every counter."""
-        self.sent = self.received = 0
+        self.sent = self.received = self.sent_bytes = self.received_bytes = 0
         self.calls.clear()
         self.largest.clear()
 
@@ -58,7 +64,7 @@ def all_reduce(tensor: torch.Tensor, group, what: str | None = None) -> Handle:
     if world == 1:
         return Handle([])
     moved = 2 * (world - 1) * tensor.numel() // world
-    traffic.add(moved, moved, "all_reduce", tensor.numel())
+    traffic.add(moved, moved, "all_reduce", tensor.numel(), tensor.element_size())
     return Handle([dist.all_reduce(tensor, group=group, async_op=True)], op=_label("all-reduce", what))
 
 
@@ -119,7 +125,8 @@ def reduce_scatter_chunks(buffer: torch.Tensor, group, what: str | None = None) 
     mine = chunks[rank]
     if world == 1:
         return Handle([])
-    traffic.add((world - 1) * mine.numel(), (world - 1) * mine.numel(), "reduce_scatter", buffer.numel())
+    traffic.add((world - 1) * mine.numel(), (world - 1) * mine.numel(), "reduce_scatter", buffer.numel(),
+                buffer.element_size())
     if uses_native_collectives(group):
         return Handle([dist.reduce_scatter_tensor(mine, buffer, group=group, async_op=True)],
                       op=_label("reduce-scatter", what))
@@ -156,11 +163,12 @@ def all_gather_chunks(buffer: torch.Tensor, group, what: str | None = None, buck
         if broadcasts:
             for r in range(world):
                 traffic.add(columns.shape[1] if r == rank else 0, 0 if r == rank else columns.shape[1], "broadcast",
-                            columns.shape[1])
+                            columns.shape[1], buffer.element_size())
             works += [dist.broadcast(columns[r], src=_global(group, r), group=group, async_op=True)
                       for r in range(world)]
             continue
-        traffic.add((world - 1) * columns.shape[1], (world - 1) * columns.shape[1], "all_gather", columns.numel())
+        traffic.add((world - 1) * columns.shape[1], (world - 1) * columns.shape[1], "all_gather", columns.numel(),
+                    buffer.element_size())
         if not uses_native_collectives(group):
             works += [dist.broadcast(columns[r], src=_global(group, r), group=group, async_op=True)
                       for r in range(world)]
@@ -170,3 +178,22 @@ def all_gather_chunks(buffer: torch.Tensor, group, what: str | None = None, buck
             works.append(dist.all_gather(list(columns.unbind(0)), columns[rank].contiguous(), group=group,
                                          async_op=True))
     return Handle(works, op=_label("broadcast" if broadcasts else "all-gather", what))
+
+
+def exchange_chunks(send: torch.Tensor, received: torch.Tensor, group, what: str | None = None) -> Handle:
+    """All-to-all over equal chunks: row r of `send` (shape (N, ...)) goes to rank r, and row r of
+    `received` gets rank r's row for this rank (this rank's own row is copied). NCCL: the native
+    all_to_all_single; gloo: one isend/irecv pair per peer (faster there than its all-to-all)."""
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    received[rank].copy_(send[rank])
+    if world == 1:
+        return Handle([])
+    row = send[0].numel()
+    traffic.add((world - 1) * row, (world - 1) * row, "all_to_all", send.numel(), send.element_size())
+    if uses_native_collectives(group):
+        return Handle([dist.all_to_all_single(received, send, group=group, async_op=True)],
+                      op=_label("all-to-all", what))
+    works = [dist.irecv(received[peer], src=_global(group, peer), group=group) for peer in range(world) if peer != rank]
+    works += [dist.isend(send[peer], dst=_global(group, peer), group=group) for peer in range(world) if peer != rank]
+    return Handle(works, op=_label("all-to-all", what))

@@ -7,6 +7,7 @@ weights are the masters)."""
 
 from __future__ import annotations
 
+import math
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -67,6 +68,9 @@ class ReplicatedState:
         # grad_divisor: what the summed gradients are divided by (default: the group's size)
         self.grads = BucketedGradients(self.layout, self._all_reduce, self.world_size, overlap, divisor=grad_divisor,
                                        averaging=averaging)
+        # True while the optimizer averages over the group itself (megazero.optim.protocol.
+        # DataParallelAverager, e.g. 1-bit Adam once compressing): gradients stay this rank's own
+        self.local_gradients = False
 
     def _all_reduce(self, bucket, tensor: torch.Tensor) -> Handle:
         inner = all_reduce(tensor, self.group, f"gradient bucket {bucket.index}")
@@ -83,15 +87,18 @@ class ReplicatedState:
         return self.grads.bucket_count
 
     def begin_micro_step(self, boundary: bool) -> None:
-        """Communicate during this backward only on the accumulation boundary."""
-        self.grads.sync_this_micro_step = boundary
+        """Communicate during this backward only on the accumulation boundary (never with local gradients)."""
+        self.grads.sync_this_micro_step = boundary and not self.local_gradients
 
     def after_backward(self, boundary: bool) -> None:
         """Nothing to do between micro-steps: gradients accumulate locally."""
 
     def reduce_gradients(self) -> None:
-        """Finish the all-reduce of every bucket."""
-        self.grads.finish_reduction()
+        """Finish the all-reduce of every bucket (local gradients: none was started)."""
+        if self.local_gradients:
+            self.grads.finish_local()
+        else:
+            self.grads.finish_reduction()
 
     def grad_norm_squared(self, counted=None) -> torch.Tensor:
         """Squared L2 norm of the reduced gradients of the parameters with counted(p) true (all when
@@ -110,6 +117,11 @@ class ReplicatedState:
         total = self.grad_norm_squared(counted)
         if model_parallel_group is not None:
             total = all_reduce_sum(total, group=model_parallel_group)
+        if self.local_gradients and self.world_size > 1:
+            # this rank's norm clips its own gradients (as DeepSpeed's 1-bit optimizers do), but an
+            # inf/nan on any rank skips the step on every rank
+            anywhere = all_reduce_sum(torch.logical_not(torch.isfinite(total)).double(), group=self.group)
+            total = torch.where(anywhere.to(total.device) > 0, math.inf, total)
         return total.item() ** 0.5  # the step's one host sync: it decides skip and clip
 
     def nonfinite_params(self) -> list[torch.nn.Parameter]:

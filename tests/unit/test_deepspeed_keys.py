@@ -105,10 +105,7 @@ def test_deepspeed_keys_in_its_examples_load():
     ({"torch_autocast": {"enabled": True}}, "torch.autocast"),
     ({"elasticity": {"enabled": False}}, "removed from DeepSpeed itself"),
     ({"fp16": {"fp16_master_weights_and_grads": True}}, "fp16 master weights and gradients"),
-    ({"optimizer": {"type": "OneBitAdam"}}, "compressed-communication (1-bit) optimizer, not implemented in megazero"),
-    ({"optimizer": {"type": "OnebitAdam"}}, "(1-bit) optimizer, not implemented in megazero"),
-    ({"optimizer": {"type": "ZeroOneAdam"}}, "(1-bit) optimizer, not implemented in megazero"),
-    ({"optimizer": {"type": "OneBitLamb"}}, "(1-bit) optimizer, not implemented in megazero"),
+    ({"optimizer": {"type": "MuAdam"}}, "muP optimizer (maximal update parametrization), not implemented"),
 ])
 def test_refused_keys_name_the_missing_feature(raw, feature):
     message = _error(raw)
@@ -150,6 +147,26 @@ def test_a_key_nobody_defines_is_an_error_with_a_suggestion():
     assert "unknown key 'zero_optimization.allgather_bucket' (did you mean 'allgather_bucket_size'?)" in _error(
         {"zero_optimization": {"allgather_bucket": 5}})
     assert f"{UNKNOWN_KEYS_ENV}=warn in the environment drops it" in _error({"cuda_visible_devices": 0})
+
+
+@pytest.mark.parametrize("optimizer, params", [
+    ("OnebitAdam", {"freeze_step": 23000, "cuda_aware": False, "comm_backend_name": "nccl"}),
+    ("ZeroOneAdam", {"bias_correction": False, "var_freeze_step": 1000, "var_update_scaler": 16,
+                     "local_step_scaler": 1000, "local_step_clipper": 16, "cuda_aware": True,
+                     "comm_backend_name": "nccl"}),
+    ("OneBitLamb", {"freeze_step": 1000, "max_coeff": 0.3, "min_coeff": 0.01, "coeff_beta": 0.9, "factor_max": 4.0,
+                    "factor_min": 0.5, "factor_threshold": 0.1, "cuda_aware": False, "comm_backend_name": "mpi"}),
+])
+def test_the_one_bit_optimizers_take_deepspeeds_params(optimizer, params):
+    """DeepSpeedExamples' own params (BingBert, the 0/1 Adam tutorial); the backend keys warn once each."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = parse_config({**BASE, "optimizer": {"type": optimizer, "params": {"lr": 1e-4, **params}}}, 1)
+    assert config.optimizer.params["lr"] == 1e-4
+    for key in ("cuda_aware", "comm_backend_name"):
+        assert sum(f"'optimizer.params.{key}' has no effect" in str(w.message) for w in caught) == 1
+    with pytest.raises(ConfigError, match="freeze_st"):
+        parse_config({**BASE, "optimizer": {"type": optimizer, "params": {"freeze_stepp": 3}}}, 1)
 
 
 def test_the_switch_makes_unknown_keys_warnings(monkeypatch):
