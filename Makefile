@@ -78,6 +78,7 @@ bench: install data $(BENCH_STAMP)
 	DS_ACCELERATOR=cpu $(BIN)/python benchmarks/bench_cpu_adam.py
 	$(BIN)/python benchmarks/bench_watchdog.py
 	$(BIN)/python benchmarks/bench_moe.py
+	$(BIN)/python benchmarks/bench_onebit.py
 	$(BIN)/python -m benchmarks.report
 
 # docs/benchmarks.md from benchmarks/results/*.json (tests/unit/test_benchmark_report.py checks it is current)

@@ -204,6 +204,21 @@ def render_moe(r: dict) -> str:
                                                     if notes else ""))
 
 
+def render_onebit(r: dict) -> str:
+    rows = r["rows"]
+    cols = [Col("vs", "baseline"), Col("parameters", "parameters"), Col("tokens/s", "tokens_per_s"),
+            Col("speedup (target >= 1.3)", "speedup", ratio),
+            Col("MB sent / step", lambda row: row["sent_bytes_per_step"] / 1e6, lambda v: num(v, 2)),
+            Col("plain MB sent / step", lambda row: row["baseline_sent_bytes_per_step"] / 1e6, lambda v: num(v, 1)),
+            Col("loss / plain loss (target <= 1.02)", "loss_ratio", ratio),
+            Col("warm-up losses equal", "warmup_equal")]
+    args = (r.get("meta") or {}).get("args") or {}
+    share = (rows.get("OneBitAdam") or {}).get("baseline_communication_share")
+    return (f"{args.get('steps', '?')} steps each, the first {args.get('freeze_step', '?')} the warm-up; the loss "
+            f"is the mean of the last 10 steps'; Adam's communication share of its step: "
+            f"{num(share, 2) if share is not None else '-'}.\n\n" + rows_table(rows, cols, "optimizer"))
+
+
 def render_offload(r: dict) -> str:
     cols = [Col("in memory s/step", "in_memory_s", lambda v: num(v, 3)),
             Col("NVMe offload s/step", "offloaded_s", lambda v: num(v, 3)),
@@ -323,6 +338,11 @@ SECTIONS = [
             "The recipe's MoE GPT (4 experts, top-2) at EP=2 next to the dense GPT with the same active parameters, "
             "2 gloo ranks: tokens/s, validation loss after equal training time, and the all-to-all's share.",
             render_moe),
+    Section("onebit", "1-bit Adam, 0/1 Adam and 1-bit LAMB against Adam and LAMB", "bench_onebit.py",
+            "A GPT whose communication is a large share of Adam's step, on 2 gloo ranks, each compressed-"
+            "communication optimizer next to its plain counterpart from the same seed and batches: the loss after "
+            "the same steps, then tokens/s and bytes sent per step after the warm-up (alternating trials).",
+            render_onebit),
     Section("offload", "Optimizer offload to NVMe", "bench_offload.py",
             "megazero ZeRO-1/2/3 with `zero_optimization.offload_optimizer.device` set to nvme next to the same "
             "stage in memory, one process, alternating trials: the step-time ratio, the swap I/O per step and "

@@ -143,17 +143,30 @@ class CompressedAllReduce:
             raise ValueError(f"the layout was cut for {layout.world} ranks, the group has {self.world}")
         self.worker_error = torch.zeros(layout.numel, dtype=torch.float32, device=device)
         self.server_error = torch.zeros(layout.numel // self.world, dtype=torch.float32, device=device)
-        counts, padding = layout.chunk(self.rank)
-        self._server_counts, self._server_padding = counts.to(device), padding.to(device)
         self._server_average = torch.empty(layout.numel // self.world, dtype=torch.float32, device=device)
-        self._counts, self._padding = layout.counts.to(device), layout.padding.to(device)
+        self.device = device
+        self.exclude(None)
+
+    def exclude(self, positions: torch.Tensor | None) -> None:
+        """Leave these flat positions out, as padding (None: only the layout's padding): they carry
+        nothing, count in no scale and come back zero. The same positions on every rank."""
+        layout, block = self.layout, self.layout.block
+        extra = torch.empty(0, dtype=torch.long) if positions is None else positions.cpu().long()
+        padding = torch.cat([layout.padding, extra])
+        counts = (layout.counts - torch.bincount(extra // block, minlength=layout.blocks)).clamp(min=1)
+        size, per = layout.numel // self.world, layout.blocks // self.world
+        mine = padding[(padding >= self.rank * size) & (padding < (self.rank + 1) * size)] - self.rank * size
+        self._counts, self._padding = counts.to(self.device), padding.to(self.device)
+        self._server_counts = counts[self.rank * per:(self.rank + 1) * per].to(self.device)
+        self._server_padding = mine.to(self.device)
 
     def average(self, flat: torch.Tensor) -> None:
         """Replace `flat` (this rank's buffer) by the compressed average over the group (the same on
-        every rank). A group of one is left as it is."""
+        every rank); excluded positions and padding come back zero. A group of one is left as it is."""
         if self.world == 1:
             return
         block, world = self.layout.block, self.world
+        flat.index_fill_(0, self._padding, 0.0)
         bits, scales = compress(flat, self.worker_error, self._counts, self._padding, block)
         sent = _message(bits.view(world, -1), scales.view(world, -1))
         received = torch.empty_like(sent)

@@ -19,6 +19,16 @@ averages a 1-bit compressed tensor over the data-parallel group instead
   tensor's frozen trust ratio is adapted by how far a fresh variance estimate (from the averaged
   momenta) drifts from the frozen one.
 
+What is compressed is divided by the variance's denominator first (sqrt(v) + eps, the same on
+every rank and fixed between variance updates, so without compression the average would be the
+same): in that preconditioned space every coordinate is on Adam's update scale, so one scale per
+block fits all of its elements. The papers compress the raw momentum (gradient), whose magnitudes
+within one tensor differ by orders: a key bias's momentum is rounding noise (softmax cancels its
+gradient), and the block's scale, divided by its tiny sqrt(v), made updates 10^3-10^4 times Adam's
+and a GPT diverge (benchmarks/bench_onebit.py). Coordinates whose variance is exactly zero (no
+gradient yet, such as padded vocabulary rows) are left out of the compression, as DeepSpeed's
+`exp_avg_mask` leaves them out by hand: their average is zero.
+
 As in DeepSpeed: the update adds `weight_decay` decoupled (AdamW's form), the moments are never
 bias-corrected (`bias_correction` is accepted and has no effect, as there), ZeRO stages 1-3 are
 refused. Unlike DeepSpeed: the first step updates the weights (DeepSpeed's only initialises), and
@@ -97,7 +107,8 @@ class OneBitLambParams(_OneBitParams):
 
 class _Compressing:
     """What the three share: the data-parallel group, one flat buffer in a BlockLayout over every
-    parameter (what is compressed), its CompressedAllReduce and the per-rank state protocol."""
+    parameter (what is compressed), its CompressedAllReduce, the frozen denominators and the
+    per-rank state protocol."""
 
     def _init_compressing(self, bias_correction: bool) -> None:
         if bias_correction:
@@ -106,9 +117,21 @@ class _Compressing:
         self._dp_group = None
         self._averager: CompressedAllReduce | None = None
         self._flat: torch.Tensor | None = None
+        self._views: list[torch.Tensor] = []
         self._pending_rank_state: dict | None = None
-        # sqrt(v) + eps per parameter while the variance is frozen (cleared whenever it changes)
+        # sqrt(v) + eps per parameter while the variance stays (cleared whenever it changes), and
+        # whether the excluded zero-variance positions must be found again
         self._denominators: dict[torch.Tensor, torch.Tensor] = {}
+        self._zero_variance_stale = True
+        self._announced: set[str] = set()
+
+    def _announce(self, phase: str) -> None:
+        """Say once per process (on global rank 0) that a phase starts, as DeepSpeed's optimizers do."""
+        if phase in self._announced:
+            return
+        self._announced.add(phase)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"[megazero] {type(self).__name__}: from step {self._steps_taken() + 1}, {phase}", flush=True)
 
     def bind_data_parallel(self, group) -> None:
         """The data-parallel group to average over (before the first compressed step)."""
@@ -117,22 +140,58 @@ class _Compressing:
     def _params(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
 
-    def _flat_views(self) -> list[torch.Tensor]:
-        """Each parameter's view of the flat buffer (built on first use)."""
+    def _flat_views(self) -> dict[int, torch.Tensor]:
+        """id(parameter) -> its view of the flat buffer (built on first use)."""
         params = self._params()
         if self._flat is None:
             world = dist.get_world_size(self._dp_group) if dist.is_initialized() else 1
             layout = BlockLayout([p.numel() for p in params], world)
             self._flat = torch.zeros(layout.numel, dtype=torch.float32, device=params[0].device)
             self._averager = CompressedAllReduce(layout, self._dp_group, params[0].device)
+            self._views = layout.views(self._flat, [p.shape for p in params])
             if self._pending_rank_state is not None:
                 self._averager.load_state_dict(self._pending_rank_state)
                 self._pending_rank_state = None
-        return self._averager.layout.views(self._flat, [p.shape for p in params])
+        return dict(zip(map(id, params), self._views))
+
+    def _variance_changed(self) -> None:
+        """The variance moved (a plain step, a load): denominators and excluded positions are recomputed."""
+        self._denominators.clear()
+        self._zero_variance_stale = True
+
+    def _denominator(self, p: torch.Tensor, eps: float) -> torch.Tensor:
+        """sqrt(v) + eps of a parameter whose variance stays, computed once."""
+        if p not in self._denominators:
+            self._denominators[p] = self.state[p]["exp_avg_sq"].sqrt().add_(eps)
+        return self._denominators[p]
 
     def _average(self) -> None:
-        """The compressed average of the flat buffer over the group, in place."""
+        """The compressed average of the flat buffer over the group, in place; positions whose
+        variance is zero are left out (they come back zero)."""
+        if self._zero_variance_stale:
+            params = self._params()
+            offsets = self._averager.layout.offsets
+            found = [(self.state[p]["exp_avg_sq"].flatten() == 0).nonzero().flatten() + offset
+                     for p, offset in zip(params, offsets) if "exp_avg_sq" in self.state.get(p, {})]
+            self._averager.exclude(torch.cat(found) if found else None)
+            self._zero_variance_stale = False
         self._averager.average(self._flat)
+
+    def _average_preconditioned(self, values: dict[int, list[torch.Tensor]], groups_params) -> dict[int, torch.Tensor]:
+        """Average each parameter's `values` (id -> tensor) over the group, compressed in the
+        preconditioned space: value / denominator into the flat buffer, averaged, and back times the
+        denominator. Returns id -> the flat buffer's view, holding the preconditioned average."""
+        views = self._flat_views()
+        for group, params in groups_params:
+            targets = [views[id(p)] for p in params]
+            torch._foreach_copy_(targets, [values[id(p)] for p in params])
+            torch._foreach_div_(targets, [self._denominator(p, group["eps"]) for p in params])
+        self._average()
+        for group, params in groups_params:
+            averaged = torch._foreach_mul([views[id(p)] for p in params],
+                                          [self._denominator(p, group["eps"]) for p in params])
+            torch._foreach_copy_([values[id(p)] for p in params], averaged)
+        return views
 
     def rank_state_dict(self) -> dict:
         """This rank's compression errors."""
@@ -146,16 +205,10 @@ class _Compressing:
         else:
             self._averager.load_state_dict(saved)
 
-    def _denominator(self, p: torch.Tensor, eps: float) -> torch.Tensor:
-        """sqrt(v) + eps of a parameter whose variance is frozen, computed once."""
-        if p not in self._denominators:
-            self._denominators[p] = self.state[p]["exp_avg_sq"].sqrt().add_(eps)
-        return self._denominators[p]
-
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch's; the frozen variance is recomputed from what was loaded."""
+        """torch's; the frozen variance's denominators are recomputed from what was loaded."""
         super().load_state_dict(state_dict)
-        self._denominators.clear()
+        self._variance_changed()
 
     def _steps_taken(self) -> int:
         for p in self._params():
@@ -164,39 +217,16 @@ class _Compressing:
         return 0
 
 
-class _FlatMomentum(_Compressing):
-    """1-bit Adam's and LAMB's: every `exp_avg` is a view of the flat compressed buffer."""
-
-    def _gather(self, group: dict):
-        params, copies = super()._gather(group)
-        self._bind_momentum()
-        return params, copies
-
-    def _bind_momentum(self) -> None:
-        """Make every exp_avg a view of the flat buffer (after the states are made or loaded)."""
-        params = self._params()
-        if not all("exp_avg" in self.state.get(p, {}) for p in params):
-            return
-        views = self._flat_views()
-        for p, view in zip(params, views):
-            state = self.state[p]
-            if state["exp_avg"] is not view:
-                view.copy_(state["exp_avg"])
-                state["exp_avg"] = view
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """torch's, then the momenta back into the flat buffer."""
-        super().load_state_dict(state_dict)
-        self._bind_momentum()
-
-
-def _advance(optimizer: torch.optim.Optimizer, group: dict) -> tuple[list[torch.Tensor], list | None]:
-    """(the group's parameters with gradients, their 16-bit copies or None), their states made and
-    their step counts advanced."""
-    params, copies = optimizer._gather(group)
-    for p in params:
-        optimizer.state[p]["step"] += 1
-    return params, copies
+def _advance(optimizer: torch.optim.Optimizer) -> list[tuple[dict, list[torch.Tensor], list | None]]:
+    """Per param group: (the group, its parameters with gradients, their 16-bit copies or None),
+    their states made and their step counts advanced."""
+    out = []
+    for group in optimizer.param_groups:
+        params, copies = optimizer._gather(group)
+        for p in params:
+            optimizer.state[p]["step"] += 1
+        out.append((group, params, copies))
+    return out
 
 
 def _local_grads(optimizer, params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -206,7 +236,7 @@ def _local_grads(optimizer, params: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _adam_update(optimizer: _Compressing, group: dict, params: list[torch.Tensor]) -> None:
-    """Adam's update with the frozen variance (megazero's Adam arithmetic, no bias correction):
+    """Adam's update with the variance as it stands (megazero's Adam arithmetic, no bias correction):
     p *= 1 - lr * weight_decay; p -= lr * m / (sqrt(v) + eps)."""
     lr, wd = group["lr"], group["weight_decay"]
     if wd:
@@ -215,8 +245,11 @@ def _adam_update(optimizer: _Compressing, group: dict, params: list[torch.Tensor
                             [optimizer._denominator(p, group["eps"]) for p in params], value=-lr)
 
 
-class OneBitAdam(_FlatMomentum, FusedCPUAdam):
-    """1-bit Adam (module docstring); `exp_avg` is a view of the flat compressed buffer."""
+class OneBitAdam(_Compressing, FusedCPUAdam):
+    """1-bit Adam (module docstring). In the compressed stage the flat buffer holds the momentum
+    preconditioned, m / (sqrt(v) + eps): each step is momentum, compression and update on it, and
+    `exp_avg` is written from it only when a state dict is taken. The buffer is saved per rank
+    (rank_state_dict), so a resume at the same layout continues bit for bit."""
 
     def __init__(self, params, lr: float = 1e-3, freeze_step: int = 100000, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, bias_correction: bool = False, cuda_aware: bool = False,
@@ -225,6 +258,7 @@ class OneBitAdam(_FlatMomentum, FusedCPUAdam):
                          bias_correction=False, use_op=use_op)
         self.freeze_step = freeze_step
         self._init_compressing(bias_correction)
+        self._momentum_in_flat = False  # True: the flat buffer holds the momentum; exp_avg is stale
 
     @property
     def local_gradients(self) -> bool:
@@ -233,29 +267,73 @@ class OneBitAdam(_FlatMomentum, FusedCPUAdam):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """Adam during the warm-up; then the compressed-momentum step."""
+        """Adam during the warm-up; then each rank's momentum, with its own gradient, averaged
+        compressed, and Adam's update with the frozen variance."""
         if not self.local_gradients:
-            self._denominators.clear()
+            self._variance_changed()
             return super().step(closure)
         loss = closure() if closure is not None else None
-        updated = []
-        for group in self.param_groups:
-            params, copies = _advance(self, group)
-            torch._foreach_lerp_([self.state[p]["exp_avg"] for p in params], _local_grads(self, params),
-                                 1 - group["betas"][0])
-            updated.append((group, params, copies))
+        self._announce("the variance is frozen and the momentum is averaged 1-bit compressed")
+        advanced = _advance(self)
+        views = self._flat_views()
+        if not self._momentum_in_flat:
+            for group, params, _ in advanced:
+                targets = [views[id(p)] for p in params]
+                torch._foreach_copy_(targets, [self.state[p]["exp_avg"] for p in params])
+                torch._foreach_div_(targets, [self._denominator(p, group["eps"]) for p in params])
+            self._momentum_in_flat = True
+        scale = self._scale()
+        for group, params, _ in advanced:  # u = beta1 u + (1 - beta1) g / (sqrt(v) + eps), g unscaled here
+            momenta = [views[id(p)] for p in params]
+            torch._foreach_mul_(momenta, group["betas"][0])
+            torch._foreach_addcdiv_(momenta, [p.grad for p in params],
+                                    [self._denominator(p, group["eps"]) for p in params],
+                                    value=(1 - group["betas"][0]) / scale)
         self._average()
-        for group, params, copies in updated:
-            _adam_update(self, group, params)
+        for group, params, copies in advanced:  # p *= 1 - lr wd; p -= lr u (u = m / (sqrt(v) + eps))
+            if group["weight_decay"]:
+                torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
+            torch._foreach_add_(params, [views[id(p)] for p in params], alpha=-group["lr"])
             self._write_copies(params, copies)
         return loss
 
+    def state_dict(self) -> dict:
+        """torch's, with each exp_avg written from the flat buffer first (in the compressed stage)."""
+        if self._momentum_in_flat:
+            views = self._flat_views()
+            with torch.no_grad():
+                for group in self.param_groups:
+                    for p in group["params"]:
+                        torch.mul(views[id(p)], self._denominator(p, group["eps"]), out=self.state[p]["exp_avg"])
+        return super().state_dict()
 
-class OneBitLamb(_FlatMomentum, FusedCPULamb):
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's; the flat buffer is rebuilt from exp_avg (or from this rank's file, rank_state_dict)."""
+        super().load_state_dict(state_dict)
+        self._momentum_in_flat = False
+
+    def rank_state_dict(self) -> dict:
+        """The compression errors, and in the compressed stage the momentum as the flat buffer holds it."""
+        state = super().rank_state_dict()
+        if self._momentum_in_flat:
+            state["momentum"] = self._flat.clone()
+        return state
+
+    def load_rank_state_dict(self, state: dict | None) -> None:
+        """Restore rank_state_dict()'s output (None: zero errors; the momentum from exp_avg)."""
+        super().load_rank_state_dict(state)
+        if state is not None and "momentum" in state:
+            self._flat_views()
+            self._flat.copy_(state["momentum"])
+            self._momentum_in_flat = True
+
+
+class OneBitLamb(_Compressing, FusedCPULamb):
     """1-bit LAMB (module docstring). Per-parameter state beyond LAMB's: `lamb_coeff_freeze` (the
     trust ratio's moving average), `last_factor` and `exp_avg_sq_fresh`. DeepSpeed also rescales the
     momenta to one common magnitude before compressing them, because one scale covers its whole
-    buffer; with a scale per block that rescaling changes nothing, so there is none here."""
+    buffer; with a scale per block (and the preconditioning) that rescaling changes nothing, so
+    there is none here."""
 
     def __init__(self, params, lr: float = 1e-3, freeze_step: int = 100000, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, max_coeff: float = 10.0, min_coeff: float = 0.01,
@@ -268,6 +346,7 @@ class OneBitLamb(_FlatMomentum, FusedCPULamb):
         self.coeff_beta, self.factor_max, self.factor_min = coeff_beta, factor_max, factor_min
         self.factor_threshold = factor_threshold
         self._init_compressing(bias_correction)
+        self._previous: dict[int, torch.Tensor] = {}  # each momentum before the step's gradient
 
     @property
     def local_gradients(self) -> bool:
@@ -297,7 +376,7 @@ class OneBitLamb(_FlatMomentum, FusedCPULamb):
     def step(self, closure=None):
         """LAMB during the warm-up (tracking the trust ratios); then the compressed-momentum step."""
         if not self.local_gradients:
-            self._denominators.clear()
+            self._variance_changed()
             self._track_trust_ratios()
             loss = super().step(closure)
             if self._steps_taken() == self.freeze_step:
@@ -305,44 +384,60 @@ class OneBitLamb(_FlatMomentum, FusedCPULamb):
                     self.state[p]["exp_avg_sq_fresh"] = self.state[p]["exp_avg_sq"].clone()
             return loss
         loss = closure() if closure is not None else None
-        params_of = [_advance(self, group) for group in self.param_groups]
-        previous = {}
-        for group, (params, _) in zip(self.param_groups, params_of):
+        self._announce("the variance and trust ratios are frozen and the momentum is averaged 1-bit compressed")
+        advanced = _advance(self)
+        momenta = {}
+        for group, params, _ in advanced:
             beta1 = group["betas"][0]
-            for p, g in zip(params, _local_grads(self, params)):
-                state = self.state[p]
-                previous[p] = state["exp_avg"].clone()
-                state["exp_avg"].mul_(beta1).add_(g, alpha=1 - beta1)
-        self._average()
-        for group, (params, copies) in zip(self.param_groups, params_of):
-            beta1, beta2 = group["betas"]
             for p in params:
-                self._lamb_frozen_update(group, p, previous.pop(p), beta1, beta2)
+                if id(p) not in self._previous:
+                    self._previous[id(p)] = torch.empty_like(p)
+            current = [self.state[p]["exp_avg"] for p in params]
+            torch._foreach_copy_([self._previous[id(p)] for p in params], current)
+            torch._foreach_mul_(current, beta1)
+            torch._foreach_add_(current, _local_grads(self, params), alpha=1 - beta1)
+            momenta.update((id(p), self.state[p]["exp_avg"]) for p in params)
+        self._average_preconditioned(momenta, [(group, params) for group, params, _ in advanced])
+        for group, params, copies in advanced:
+            self._frozen_updates(group, params, [self._previous[id(p)] for p in params])
             self._write_copies(params, copies)
         return loss
 
-    def _lamb_frozen_update(self, group: dict, p: torch.Tensor, previous: torch.Tensor, beta1: float,
-                            beta2: float) -> None:
-        """One parameter's compressed-stage update: the fresh variance from its averaged momentum,
-        the frozen trust ratio times the clamped factor."""
-        state = self.state[p]
-        m = state["exp_avg"]
-        fresh = state["exp_avg_sq_fresh"]
-        recovered = (m - beta1 * previous) / (1 - beta1)
-        fresh.mul_(beta2).addcmul_(recovered, recovered, value=1 - beta2)
-        denom = self._denominator(p, group["eps"])
-        before_decay = m / denom
-        update = before_decay.add(p, alpha=group["weight_decay"])
-        factor = (denom / fresh.sqrt().add_(group["eps"])).max().item()
-        if group["weight_decay"] > 0:
-            update_norm = update.norm().item()
-            ratio = min(1.0, before_decay.norm().item() / update_norm) if update_norm > 0 else 1.0
-            factor = factor * ratio + (1.0 - ratio)
-        factor = min(max(factor, self.factor_min), self.factor_max)
-        last = state["last_factor"]
-        factor = min(max(factor, last * (1 - self.factor_threshold)), last * (1 + self.factor_threshold))
-        state["last_factor"] = factor
-        p.add_(update, alpha=-group["lr"] * state["lamb_coeff_freeze"] * factor)
+    def _frozen_updates(self, group: dict, params: list[torch.Tensor], previous: list[torch.Tensor]) -> None:
+        """The compressed-stage update of a group's parameters: the fresh variance from their averaged
+        momenta, each tensor's frozen trust ratio times its clamped factor."""
+        beta1, beta2, eps, decay = *group["betas"], group["eps"], group["weight_decay"]
+        momenta = [self.state[p]["exp_avg"] for p in params]
+        fresh = [self.state[p]["exp_avg_sq_fresh"] for p in params]
+        denominators = [self._denominator(p, eps) for p in params]
+        recovered = torch._foreach_add(momenta, previous, alpha=-beta1)  # the averaged gradient, recovered
+        torch._foreach_div_(recovered, 1 - beta1)
+        torch._foreach_mul_(fresh, beta2)
+        torch._foreach_addcmul_(fresh, recovered, recovered, value=1 - beta2)
+        del recovered
+        fresh_denominators = torch._foreach_sqrt(fresh)
+        torch._foreach_add_(fresh_denominators, eps)
+        drift = torch.stack(torch._foreach_max(torch._foreach_div(denominators, fresh_denominators))).tolist()
+        del fresh_denominators
+        before_decay = torch._foreach_div(momenta, denominators)
+        updates = torch._foreach_add(before_decay, params, alpha=decay)
+        if decay > 0:
+            norms = torch.stack([*torch._foreach_norm(before_decay), *torch._foreach_norm(updates)]).tolist()
+        del before_decay
+        scales = []
+        for i, p in enumerate(params):
+            state, factor = self.state[p], drift[i]
+            if decay > 0:
+                update_norm = norms[len(params) + i]
+                ratio = min(1.0, norms[i] / update_norm) if update_norm > 0 else 1.0
+                factor = factor * ratio + (1.0 - ratio)
+            factor = min(max(factor, self.factor_min), self.factor_max)
+            last = state["last_factor"]
+            factor = min(max(factor, last * (1 - self.factor_threshold)), last * (1 + self.factor_threshold))
+            state["last_factor"] = factor
+            scales.append(-group["lr"] * state["lamb_coeff_freeze"] * factor)
+        torch._foreach_mul_(updates, scales)
+        torch._foreach_add_(params, updates)
 
 
 _SCHEDULE = {"var_interval": 1, "var_counter": 0, "local_step_interval": 1, "local_step_counter": 0, "lrs": 0.0}
@@ -351,8 +446,8 @@ _SCHEDULE = {"var_interval": 1, "var_counter": 0, "local_step_interval": 1, "loc
 class ZeroOneAdam(_Compressing, FusedCPUAdam):
     """0/1 Adam (module docstring). Its schedule's counters (and each group's summed learning
     rates since the last synchronisation, `lrs`) are kept in the param groups, so checkpoints carry
-    them; in the local-step phase the weights, momenta and momentum accumulators differ between
-    ranks between synchronisations and are saved per rank (rank_state_dict)."""
+    them; in the local-step phase the weights, momenta and momentum accumulators (the flat buffer)
+    differ between ranks between synchronisations and are saved per rank (rank_state_dict)."""
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  var_freeze_step: int = 100000, var_update_scaler: int = 16, local_step_scaler: int = 32678,
@@ -384,20 +479,19 @@ class ZeroOneAdam(_Compressing, FusedCPUAdam):
     def step(self, closure=None):
         """A variance step (Adam), a compressed-gradient step, or a local step (module docstring)."""
         schedule = self.param_groups[0]
+        loss = closure() if closure is not None else None
         if self._local_phase:
-            loss = closure() if closure is not None else None
             self._local_step()
             return loss
         if not self.local_gradients:
-            self._denominators.clear()
-            loss = super().step(closure)
+            self._variance_changed()
+            super().step()
             counter = schedule["var_counter"] + 1
             if counter == self.var_update_scaler:
                 self._set_schedule(var_counter=0, var_interval=2 * schedule["var_interval"])
             else:
                 self._set_schedule(var_counter=counter)
         else:
-            loss = closure() if closure is not None else None
             self._compressed_gradient_step()
         if self._local_phase:  # the variance is frozen from here: errors and accumulators start afresh
             self._flat_views()
@@ -407,57 +501,55 @@ class ZeroOneAdam(_Compressing, FusedCPUAdam):
 
     def _compressed_gradient_step(self) -> None:
         """Average a 1-bit compressed gradient; update the momentum with it, the variance stays."""
-        params_of = [_advance(self, group) for group in self.param_groups]
-        views = dict(zip(map(id, self._params()), self._flat_views()))
-        for params, _ in params_of:
-            for p, g in zip(params, _local_grads(self, params)):
-                views[id(p)].copy_(g)
-        self._average()
-        for group, (params, copies) in zip(self.param_groups, params_of):
-            torch._foreach_lerp_([self.state[p]["exp_avg"] for p in params], [views[id(p)] for p in params],
+        self._announce("steps between variance updates average a 1-bit compressed gradient")
+        advanced = _advance(self)
+        gradients = {id(p): g.clone() for _, params, _ in advanced for p, g in zip(params, _local_grads(self, params))}
+        self._average_preconditioned(gradients, [(group, params) for group, params, _ in advanced])
+        for group, params, copies in advanced:
+            torch._foreach_lerp_([self.state[p]["exp_avg"] for p in params], [gradients[id(p)] for p in params],
                                  1 - group["betas"][0])
             _adam_update(self, group, params)
             self._write_copies(params, copies)
 
     def _local_step(self) -> None:
         """A step on this rank's own gradient; every local_step_interval steps, the synchronisation."""
+        self._announce("the variance is frozen: local steps, their momentum synchronised 1-bit compressed")
         schedule = self.param_groups[0]
-        params_of = [_advance(self, group) for group in self.param_groups]
-        views = dict(zip(map(id, self._params()), self._flat_views()))  # the momentum accumulators
-        for group, (params, _) in zip(self.param_groups, params_of):
+        advanced = _advance(self)
+        views = self._flat_views()  # the momentum accumulators: the preconditioned moves since the last sync
+        for group, params, _ in advanced:
             group["lrs"] += group["lr"]
-            for p, g in zip(params, _local_grads(self, params)):
-                state = self.state[p]
-                state["exp_avg"].lerp_(g, 1 - group["betas"][0])
-                move = (state["exp_avg"] / self._denominator(p, group["eps"])).add_(p, alpha=group["weight_decay"])
-                p.sub_(move, alpha=group["lr"])
-                views[id(p)].sub_(move, alpha=group["lr"])
+            momenta = [self.state[p]["exp_avg"] for p in params]
+            torch._foreach_lerp_(momenta, _local_grads(self, params), 1 - group["betas"][0])
+            moves = torch._foreach_div(momenta, [self._denominator(p, group["eps"]) for p in params])
+            torch._foreach_add_(moves, params, alpha=group["weight_decay"])
+            torch._foreach_add_(params, moves, alpha=-group["lr"])
+            torch._foreach_add_([views[id(p)] for p in params], moves, alpha=-group["lr"])
         if self._steps_taken() % schedule["local_step_interval"] == 0:
-            self._synchronise(params_of, views)
+            self._synchronise(advanced, views)
         counter = schedule["local_step_counter"] + 1
         if counter == self.local_step_scaler:
             self._set_schedule(local_step_counter=0,
                                local_step_interval=min(self.local_step_clipper, 2 * schedule["local_step_interval"]))
         else:
             self._set_schedule(local_step_counter=counter)
-        for params, copies in params_of:
+        for _, params, copies in advanced:
             self._write_copies(params, copies)
 
-    def _synchronise(self, params_of, views: dict) -> None:
-        """The 1-bit sync: undo the local moves, average their learning-rate-weighted momentum
-        (compressed), rebuild the momentum from it and apply it."""
-        denoms = {}
-        for group, (params, _) in zip(self.param_groups, params_of):
-            for p in params:
-                denoms[id(p)] = self._denominator(p, group["eps"])
-                p.sub_(views[id(p)])
-                views[id(p)].mul_(denoms[id(p)])
+    def _synchronise(self, advanced, views: dict) -> None:
+        """The 1-bit sync: undo the local moves, average them (compressed), rebuild the momentum as
+        their learning-rate-weighted average and apply them."""
+        for _, params, _ in advanced:
+            torch._foreach_sub_(params, [views[id(p)] for p in params])
         self._average()
-        for group, (params, _) in zip(self.param_groups, params_of):
-            for p in params:
-                if group["lrs"] > 0:  # all-zero learning rates moved nothing: the momentum stays
-                    self.state[p]["exp_avg"].copy_(views[id(p)]).div_(-group["lrs"])
-                p.addcdiv_(views[id(p)], denoms[id(p)])
+        for group, params, _ in advanced:
+            averaged = [views[id(p)] for p in params]
+            if group["lrs"] > 0:  # all-zero learning rates moved nothing: the momentum stays
+                momenta = [self.state[p]["exp_avg"] for p in params]
+                torch._foreach_copy_(momenta, averaged)
+                torch._foreach_mul_(momenta, [self._denominator(p, group["eps"]) for p in params])
+                torch._foreach_div_(momenta, -group["lrs"])
+            torch._foreach_add_(params, averaged)
             group["lrs"] = 0.0
         self._flat.zero_()
 

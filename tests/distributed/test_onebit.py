@@ -24,6 +24,7 @@ LR = 3e-3
 BETAS = (0.9, 0.9)  # a short warm-up settles a variance with beta2 0.9, not 0.999
 COMMON = {"lr": LR, "betas": list(BETAS), "weight_decay": 0.1}
 PLAIN = {"OneBitAdam": "Adam", "ZeroOneAdam": "Adam", "OneBitLamb": "Lamb"}
+PADDED = {"vocab_size": 251}
 WARM = {"OneBitAdam": {"freeze_step": 100}, "OneBitLamb": {"freeze_step": 100},
         "ZeroOneAdam": {"var_update_scaler": 100}}
 # the compressed stage from step 4 on; 0/1 Adam: 2 variance updates per interval, then local steps
@@ -37,10 +38,11 @@ def _config(optimizer: str, params: dict, **extra) -> dict:
     return base_config(optimizer={"type": optimizer, "params": {**COMMON, **params}}, **extra)
 
 
-def _train(config: dict, prefix: str, steps: int = STEPS, record: bool = False) -> dict:
+def _train(config: dict, prefix: str, steps: int = STEPS, record: bool = False, model_overrides=None) -> dict:
     """Train; with `record`, every rank's (unscaled, clipped) gradients and each parameter's lr and
-    weight decay at every step, gathered from all ranks, and the initial weights."""
-    engine, loader = build_engine(config, prefix)
+    weight decay at every step, gathered from all ranks, the initial weights and how many positions
+    the compression left out for their zero variance."""
+    engine, loader = build_engine(config, prefix, model_overrides=model_overrides)
     names = {id(p): n for n, p in engine.module.named_parameters()}
     initial = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     records = []
@@ -60,7 +62,9 @@ def _train(config: dict, prefix: str, steps: int = STEPS, record: bool = False) 
     if record:
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, records)
-        out.update(records=every, initial=initial)
+        averager = engine.optimizer._averager
+        excluded = averager._padding.numel() - averager.layout.padding.numel() if averager is not None else 0
+        out.update(records=every, initial=initial, excluded=excluded)
     return out
 
 
@@ -75,28 +79,34 @@ def test_warmup_equals_the_plain_optimizer_bit_for_bit(pools, token_dataset_pref
 
 
 # ---- the transcriptions: one process, every rank's gradients ------------------------------------
-def _compress(values: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
-    """sign x scale of values + error per BLOCK elements (scale: their root mean square, squares
-    summed in fp64); error <- what that leaves out."""
-    total = values + error
+def _compress(values: torch.Tensor, error: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """sign x scale of values + error per BLOCK elements (scale: the root mean square of the live
+    ones, squares summed in fp64); error <- what that leaves out. Elements not `live` carry nothing."""
+    total = torch.where(live, values + error, 0.0)
     out = torch.empty_like(total)
     for start in range(0, total.numel(), BLOCK):
-        block = total[start:start + BLOCK]
-        scale = (block.double().square().sum() / block.numel()).sqrt().float()
+        block, alive = total[start:start + BLOCK], live[start:start + BLOCK]
+        scale = (block.double().square().sum() / max(1, int(alive.sum()))).sqrt().float()
         out[start:start + BLOCK] = torch.where(block >= 0, scale, -scale)
+    out[~live] = 0.0
     error.copy_(total - out)
     return out
 
 
-def _average(values: list[torch.Tensor], worker_errors: list[torch.Tensor], server_error: torch.Tensor):
-    """1-bit Adam's two-phase average: every worker compresses, the server averages what it got and
-    compresses that. Every block has one server, so one server error per tensor does it."""
-    decoded = [_compress(v.flatten(), e) for v, e in zip(values, worker_errors)]
+def _average(values: list[torch.Tensor], worker_errors: list[torch.Tensor], server_error: torch.Tensor,
+             denominator: torch.Tensor) -> torch.Tensor:
+    """1-bit Adam's two-phase average, in the preconditioned space: every worker compresses its
+    value / denominator, the server averages what it got and compresses that; times the denominator
+    again. Every block has one server, so one server error per tensor does it. Zero-variance
+    elements (denominator = eps) are left out."""
+    live = (denominator != 1e-8).flatten()
+    flat = denominator.flatten()
+    decoded = [_compress(v.flatten() / flat, e, live) for v, e in zip(values, worker_errors)]
     mean = decoded[0].clone()
     for d in decoded[1:]:
         mean += d
     mean /= len(decoded)
-    return _compress(mean, server_error).view_as(values[0])
+    return (_compress(mean, server_error, live) * flat).view_as(values[0])
 
 
 class _Transcription:
@@ -129,16 +139,23 @@ class _Transcription:
 
 def _one_bit_adam(initial: dict, records: list[list[dict]], freeze: int) -> dict:
     """Tang et al.: Adam for `freeze` steps; then each rank's momentum with its own gradient,
-    averaged compressed, and Adam's update with the frozen variance."""
+    averaged compressed, and Adam's update with the frozen variance. The momentum is kept as
+    megazero keeps it, preconditioned: u = m / (sqrt(v) + eps), so the update is p -= lr u."""
     t = _Transcription(initial, len(records))
+    u = {}
     for step, per_rank in enumerate(zip(*records), start=1):
         for name in initial:
             g, lr, wd = per_rank[0][name]
             if step <= freeze:
                 t.adam(name, g, lr, wd)
                 continue
-            local = [t.m[name][r].lerp(per_rank[r][name][0], 1 - BETAS[0]) for r in range(t.ranks)]
-            t.frozen_adam(name, _average(local, t.worker[name], t.server[name]), lr, wd)
+            denominator = t.v[name].sqrt() + 1e-8
+            if name not in u:
+                u[name] = t.m[name][0] / denominator
+            local = [u[name] * BETAS[0] + (1 - BETAS[0]) * (per_rank[r][name][0] / denominator)
+                     for r in range(t.ranks)]
+            u[name] = _average(local, t.worker[name], t.server[name], torch.where(t.v[name] != 0, 1.0, 1e-8))
+            t.p[name] = [t.p[name][0] * (1 - lr * wd) - lr * u[name]] * t.ranks
     return {n: ranks[0] for n, ranks in t.p.items()}
 
 
@@ -160,7 +177,8 @@ def _zero_one_adam(initial: dict, records: list[list[dict]], var_freeze: int, va
                     t.adam(name, g, lr, wd)
                 else:
                     grads = [per_rank[r][name][0] for r in range(t.ranks)]
-                    m = t.m[name][0].lerp(_average(grads, t.worker[name], t.server[name]), 1 - BETAS[0])
+                    averaged = _average(grads, t.worker[name], t.server[name], t.v[name].sqrt() + 1e-8)
+                    m = t.m[name][0].lerp(averaged, 1 - BETAS[0])
                     t.frozen_adam(name, m, lr, wd)
             if full:
                 var_counter += 1
@@ -182,12 +200,13 @@ def _zero_one_adam(initial: dict, records: list[list[dict]], var_freeze: int, va
                 u[name][r] = u[name][r] - lr * move
         if step % interval == 0:
             for name in initial:
-                denom = t.v[name].sqrt() + 1e-8
-                weighted = [u[name][r] * denom for r in range(t.ranks)]
-                averaged = _average(weighted, t.worker[name], t.server[name])
+                # the moves are preconditioned already: averaged as they are
+                live = t.v[name] != 0
+                ones = torch.where(live, 1.0, 1e-8)
+                averaged = _average(u[name], t.worker[name], t.server[name], ones)
                 for r in range(t.ranks):
-                    t.p[name][r] = t.p[name][r] - u[name][r] + averaged / denom
-                    t.m[name][r] = averaged / -lrs
+                    t.p[name][r] = t.p[name][r] - u[name][r] + averaged
+                    t.m[name][r] = averaged * (t.v[name].sqrt() + 1e-8) / -lrs
                 u[name] = [torch.zeros_like(x) for x in u[name]]
             lrs = 0.0
         counter += 1
@@ -222,7 +241,7 @@ def _one_bit_lamb(initial: dict, records: list[list[dict]], freeze: int) -> dict
             else:
                 previous = t.m[name][0]
                 local = [previous * BETAS[0] + (1 - BETAS[0]) * per_rank[r][name][0] for r in range(t.ranks)]
-                m = _average(local, t.worker[name], t.server[name])
+                m = _average(local, t.worker[name], t.server[name], v.sqrt() + 1e-8)
                 recovered = (m - BETAS[0] * previous) / (1 - BETAS[0])
                 fresh[name].mul_(BETAS[1]).addcmul_(recovered, recovered, value=1 - BETAS[1])
                 denom = v.sqrt() + 1e-8
@@ -249,7 +268,9 @@ def _assert_close(expected: dict, got: dict, what: str) -> None:
 @pytest.mark.parametrize("optimizer", ["OneBitAdam", "ZeroOneAdam", "OneBitLamb"])
 def test_compressed_stage_equals_the_papers_update(pools, token_dataset_prefix_module, optimizer):
     params = COMPRESSED[optimizer]
-    results = pools(2).run(_train, _config(optimizer, params), token_dataset_prefix_module, STEPS, True)
+    # vocabulary 251 in 256 rows: 5 padded rows never get a gradient, and are left out of the compression
+    results = pools(2).run(_train, _config(optimizer, params), token_dataset_prefix_module, STEPS, True, PADDED)
+    assert results[0]["excluded"] == 5 * 64
     records, initial = results[0]["records"], results[0]["initial"]
     if optimizer == "OneBitAdam":
         expected = [_one_bit_adam(initial, records, params["freeze_step"])] * 2
@@ -261,7 +282,8 @@ def test_compressed_stage_equals_the_papers_update(pools, token_dataset_prefix_m
     for rank, result in enumerate(results):
         _assert_close(expected[rank], result["params"], f"{optimizer} rank {rank}")
     # the compressed stage's steps are not Adam's/LAMB's: the transcription is not vacuous
-    plain = pools(2).run(_train, _config(PLAIN[optimizer], {"bias_correction": False}), token_dataset_prefix_module)
+    plain = pools(2).run(_train, _config(PLAIN[optimizer], {"bias_correction": False}), token_dataset_prefix_module,
+                         STEPS, False, PADDED)
     assert any(not torch.allclose(plain[0]["params"][n], results[0]["params"][n], rtol=1e-3, atol=1e-5)
                for n in initial)
 
