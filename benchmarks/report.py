@@ -213,7 +213,8 @@ def render_onebit(r: dict) -> str:
             Col("loss / plain loss (target <= 1.02)", "loss_ratio", ratio),
             Col("warm-up losses equal", "warmup_equal")]
     args = (r.get("meta") or {}).get("args") or {}
-    share = (rows.get("OneBitAdam") or {}).get("baseline_communication_share")
+    share = next((row["baseline_communication_share"] for row in rows.values()
+                  if "baseline_communication_share" in row), None)
     return (f"{args.get('steps', '?')} steps each, the first {args.get('freeze_step', '?')} the warm-up; the loss "
             f"is the mean of the last 10 steps'; Adam's communication share of its step: "
             f"{num(share, 2) if share is not None else '-'}.\n\n" + rows_table(rows, cols, "optimizer"))

@@ -1,6 +1,7 @@
 """1-bit compressed averaging over a data-parallel group, with error feedback (1-bit Adam's scheme).
 
-The tensors to average (the optimizers' momenta) live in one flat fp32 buffer (`BlockLayout`):
+The tensors to average (the optimizers' preconditioned momenta or gradients) live in one flat fp32
+buffer (`BlockLayout`):
 each tensor starts on a block boundary, and each block of `BLOCK` elements is sent as one bit per
 element (its sign; zero counts as positive) and one fp32 scale, the root mean square of the
 block's real elements, so that sign x scale keeps the block's L2 norm. What the rounding loses is
@@ -16,8 +17,9 @@ A rank sends 2 x (W-1)/W x (N/8 bytes + 4 bytes per block) for N elements, again
 4N for an fp32 all-reduce: about 1/31 at BLOCK 2048. The collectives are megazero.zero.collectives'
 (point-to-point and broadcasts on gloo, the native ones on NCCL).
 
-Padding (between tensors and at the end) never carries a value: it is zeroed in the errors and in
-the result after every round, so it adds nothing to a block's scale.
+Padding (between tensors and at the end), and any positions the caller excludes
+(`CompressedAllReduce.exclude`), never carries a value: it is zeroed in the input, the errors and
+the result of every round, and counts in no block's scale.
 """
 
 from __future__ import annotations
@@ -61,14 +63,6 @@ class BlockLayout:
     def views(self, flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
         """Each tensor's view of `flat` (a buffer of this layout), in the given shapes."""
         return [flat[o:o + n].view(shape) for o, n, shape in zip(self.offsets, self.numels, shapes)]
-
-    def chunk(self, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(counts of the blocks, padding positions) of server chunk `rank`, local to the chunk."""
-        size = self.numel // self.world
-        per = self.blocks // self.world
-        pad = self.padding[(self.padding >= rank * size) & (self.padding < (rank + 1) * size)] - rank * size
-        return self.counts[rank * per:(rank + 1) * per], pad
-
 
 def pack_signs(values: torch.Tensor) -> torch.Tensor:
     """One bit per element (1: >= 0), 8 to a byte, first element in the high bit."""
@@ -165,9 +159,17 @@ class CompressedAllReduce:
         every rank); excluded positions and padding come back zero. A group of one is left as it is."""
         if self.world == 1:
             return
-        block, world = self.layout.block, self.world
         flat.index_fill_(0, self._padding, 0.0)
-        bits, scales = compress(flat, self.worker_error, self._counts, self._padding, block)
+        bits, scales = compress(flat, self.worker_error, self._counts, self._padding, self.layout.block)
+        all_bits, all_scales = self.combine(bits, scales)
+        decode_mean(all_bits.view(1, -1), all_scales.view(1, -1), self.layout.block, flat)
+        flat.index_fill_(0, self._padding, 0.0)
+
+    def combine(self, bits: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Phases 1 and 2 on this rank's compressed buffer (its signs and block scales, the worker
+        error already updated, padding and excluded positions zeroed in it): (signs, scales) of the
+        average, the same on every rank."""
+        block, world = self.layout.block, self.world
         sent = _message(bits.view(world, -1), scales.view(world, -1))
         received = torch.empty_like(sent)
         exchange_chunks(sent, received, self.group, "1-bit momentum (workers)").wait()
@@ -180,8 +182,7 @@ class CompressedAllReduce:
         gathered[self.rank].copy_(_message(server_bits.view(1, -1), server_scales.view(1, -1))[0])
         all_gather_chunks(gathered, self.group, "1-bit momentum (servers)").wait()
         all_bits, all_scales = _split(gathered, bits.numel() // world)
-        decode_mean(all_bits.view(1, -1), all_scales.view(1, -1), block, flat)
-        flat.index_fill_(0, self._padding, 0.0)
+        return all_bits.reshape(-1), all_scales.reshape(-1)
 
     def state_dict(self) -> dict:
         """This rank's errors (and the layout they follow)."""

@@ -25,9 +25,11 @@ same): in that preconditioned space every coordinate is on Adam's update scale, 
 block fits all of its elements. The papers compress the raw momentum (gradient), whose magnitudes
 within one tensor differ by orders: a key bias's momentum is rounding noise (softmax cancels its
 gradient), and the block's scale, divided by its tiny sqrt(v), made updates 10^3-10^4 times Adam's
-and a GPT diverge (benchmarks/bench_onebit.py). Coordinates whose variance is exactly zero (no
-gradient yet, such as padded vocabulary rows) are left out of the compression, as DeepSpeed's
-`exp_avg_mask` leaves them out by hand: their average is zero.
+and a GPT diverge (benchmarks/bench_onebit.py). The preconditioned values are clamped to Adam's
+own bound on |m| / sqrt(v) (momentum_bound): with the variance frozen, a rare token's embedding row
+meets a stale, tiny variance, and one such value would set its whole block's scale. Coordinates
+whose variance is exactly zero (no gradient yet, such as padded vocabulary rows) are left out of
+the compression, as DeepSpeed's `exp_avg_mask` leaves them out by hand: their average is zero.
 
 As in DeepSpeed: the update adds `weight_decay` decoupled (AdamW's form), the moments are never
 bias-corrected (`bias_correction` is accepted and has no effect, as there), ZeRO stages 1-3 are
@@ -39,6 +41,7 @@ the engine's data-parallel group with what is fast on its backend, so they have 
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -165,9 +168,9 @@ class _Compressing:
             self._denominators[p] = self.state[p]["exp_avg_sq"].sqrt().add_(eps)
         return self._denominators[p]
 
-    def _average(self) -> None:
-        """The compressed average of the flat buffer over the group, in place; positions whose
-        variance is zero are left out (they come back zero)."""
+    def _exclude_zero_variance(self) -> None:
+        """Leave the positions whose variance is zero out of the compression (found again after the
+        variance moved)."""
         if self._zero_variance_stale:
             params = self._params()
             offsets = self._averager.layout.offsets
@@ -175,17 +178,24 @@ class _Compressing:
                      for p, offset in zip(params, offsets) if "exp_avg_sq" in self.state.get(p, {})]
             self._averager.exclude(torch.cat(found) if found else None)
             self._zero_variance_stale = False
+
+    def _average(self) -> None:
+        """The compressed average of the flat buffer over the group, in place; positions whose
+        variance is zero are left out (they come back zero)."""
+        self._exclude_zero_variance()
         self._averager.average(self._flat)
 
-    def _average_preconditioned(self, values: dict[int, list[torch.Tensor]], groups_params) -> dict[int, torch.Tensor]:
+    def _average_preconditioned(self, values: dict[int, torch.Tensor], groups_params, bound) -> dict[int, torch.Tensor]:
         """Average each parameter's `values` (id -> tensor) over the group, compressed in the
-        preconditioned space: value / denominator into the flat buffer, averaged, and back times the
-        denominator. Returns id -> the flat buffer's view, holding the preconditioned average."""
+        preconditioned space: value / denominator into the flat buffer, clamped to +-bound(betas),
+        averaged, and back times the denominator. Returns id -> the flat buffer's view, holding the
+        preconditioned average."""
         views = self._flat_views()
         for group, params in groups_params:
             targets = [views[id(p)] for p in params]
             torch._foreach_copy_(targets, [values[id(p)] for p in params])
             torch._foreach_div_(targets, [self._denominator(p, group["eps"]) for p in params])
+            _clamp(targets, bound(group["betas"]))
         self._average()
         for group, params in groups_params:
             averaged = torch._foreach_mul([views[id(p)] for p in params],
@@ -227,6 +237,28 @@ def _advance(optimizer: torch.optim.Optimizer) -> list[tuple[dict, list[torch.Te
             optimizer.state[p]["step"] += 1
         out.append((group, params, copies))
     return out
+
+
+def momentum_bound(betas) -> float:
+    """The largest |m| / sqrt(v) Adam itself can reach (Kingma and Ba): (1 - beta1) / sqrt(1 - beta2)
+    / (1 - beta1 / sqrt(beta2)); inf when beta1 >= sqrt(beta2). With the variance frozen a
+    coordinate whose gradient was rare (a rare token's embedding row) can exceed it by orders, and
+    one such value sets its whole block's scale: the compressed stages clamp to it."""
+    beta1, beta2 = betas
+    if beta2 >= 1 or beta1 >= math.sqrt(beta2):
+        return math.inf
+    return (1 - beta1) / math.sqrt(1 - beta2) / (1 - beta1 / math.sqrt(beta2))
+
+
+def gradient_bound(betas) -> float:
+    """|g| / sqrt(v) where v has just taken g in: at most 1 / sqrt(1 - beta2) (0/1 Adam's gradients)."""
+    return math.inf if betas[1] >= 1 else 1 / math.sqrt(1 - betas[1])
+
+
+def _clamp(tensors: list[torch.Tensor], bound: float) -> None:
+    if bound != math.inf:
+        torch._foreach_clamp_min_(tensors, -bound)
+        torch._foreach_clamp_max_(tensors, bound)
 
 
 def _local_grads(optimizer, params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -282,6 +314,20 @@ class OneBitAdam(_Compressing, FusedCPUAdam):
                 torch._foreach_copy_(targets, [self.state[p]["exp_avg"] for p in params])
                 torch._foreach_div_(targets, [self._denominator(p, group["eps"]) for p in params])
             self._momentum_in_flat = True
+        self._compressed_step(advanced, views)
+        for _, params, copies in advanced:
+            self._write_copies(params, copies)
+        return loss
+
+    def _denominator(self, p: torch.Tensor, eps: float) -> torch.Tensor:
+        """sqrt(v) + eps, inf where v is 0 (no gradient yet: no update, nothing carried)."""
+        if p not in self._denominators:
+            variance = self.state[p]["exp_avg_sq"]
+            self._denominators[p] = variance.sqrt().add_(eps).masked_fill_(variance == 0, math.inf)
+        return self._denominators[p]
+
+    def _compressed_step(self, advanced, views: dict) -> None:
+        """Momentum, compressed average and update on the preconditioned momentum u in the flat buffer."""
         scale = self._scale()
         for group, params, _ in advanced:  # u = beta1 u + (1 - beta1) g / (sqrt(v) + eps), g unscaled here
             momenta = [views[id(p)] for p in params]
@@ -289,13 +335,11 @@ class OneBitAdam(_Compressing, FusedCPUAdam):
             torch._foreach_addcdiv_(momenta, [p.grad for p in params],
                                     [self._denominator(p, group["eps"]) for p in params],
                                     value=(1 - group["betas"][0]) / scale)
+            _clamp(momenta, momentum_bound(group["betas"]))
         self._average()
-        for group, params, copies in advanced:  # p *= 1 - lr wd; p -= lr u (u = m / (sqrt(v) + eps))
-            if group["weight_decay"]:
-                torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
+        for group, params, _ in advanced:  # p *= 1 - lr wd; p -= lr u (u = m / (sqrt(v) + eps))
+            torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
             torch._foreach_add_(params, [views[id(p)] for p in params], alpha=-group["lr"])
-            self._write_copies(params, copies)
-        return loss
 
     def state_dict(self) -> dict:
         """torch's, with each exp_avg written from the flat buffer first (in the compressed stage)."""
@@ -304,7 +348,9 @@ class OneBitAdam(_Compressing, FusedCPUAdam):
             with torch.no_grad():
                 for group in self.param_groups:
                     for p in group["params"]:
-                        torch.mul(views[id(p)], self._denominator(p, group["eps"]), out=self.state[p]["exp_avg"])
+                        denominator = self._denominator(p, group["eps"])
+                        momentum = torch.mul(views[id(p)], denominator, out=self.state[p]["exp_avg"])
+                        momentum.masked_fill_(denominator.isinf(), 0.0)  # 0 x inf: no momentum there
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -397,7 +443,7 @@ class OneBitLamb(_Compressing, FusedCPULamb):
             torch._foreach_mul_(current, beta1)
             torch._foreach_add_(current, _local_grads(self, params), alpha=1 - beta1)
             momenta.update((id(p), self.state[p]["exp_avg"]) for p in params)
-        self._average_preconditioned(momenta, [(group, params) for group, params, _ in advanced])
+        self._average_preconditioned(momenta, [(group, params) for group, params, _ in advanced], momentum_bound)
         for group, params, copies in advanced:
             self._frozen_updates(group, params, [self._previous[id(p)] for p in params])
             self._write_copies(params, copies)
@@ -504,7 +550,7 @@ class ZeroOneAdam(_Compressing, FusedCPUAdam):
         self._announce("steps between variance updates average a 1-bit compressed gradient")
         advanced = _advance(self)
         gradients = {id(p): g.clone() for _, params, _ in advanced for p, g in zip(params, _local_grads(self, params))}
-        self._average_preconditioned(gradients, [(group, params) for group, params, _ in advanced])
+        self._average_preconditioned(gradients, [(group, params) for group, params, _ in advanced], gradient_bound)
         for group, params, copies in advanced:
             torch._foreach_lerp_([self.state[p]["exp_avg"] for p in params], [gradients[id(p)] for p in params],
                                  1 - group["betas"][0])
@@ -522,6 +568,7 @@ class ZeroOneAdam(_Compressing, FusedCPUAdam):
             momenta = [self.state[p]["exp_avg"] for p in params]
             torch._foreach_lerp_(momenta, _local_grads(self, params), 1 - group["betas"][0])
             moves = torch._foreach_div(momenta, [self._denominator(p, group["eps"]) for p in params])
+            _clamp(moves, momentum_bound(group["betas"]))
             torch._foreach_add_(moves, params, alpha=group["weight_decay"])
             torch._foreach_add_(params, moves, alpha=-group["lr"])
             torch._foreach_add_([views[id(p)] for p in params], moves, alpha=-group["lr"])

@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -93,15 +95,21 @@ def _compress(values: torch.Tensor, error: torch.Tensor, live: torch.Tensor) -> 
     return out
 
 
+# Adam's own bound on |m| / sqrt(v) (Kingma and Ba), and on |g| / sqrt(v) with g in v: what the
+# compressed stages clamp the preconditioned values to
+MOMENTUM_BOUND = (1 - BETAS[0]) / math.sqrt(1 - BETAS[1]) / (1 - BETAS[0] / math.sqrt(BETAS[1]))
+GRADIENT_BOUND = 1 / math.sqrt(1 - BETAS[1])
+
+
 def _average(values: list[torch.Tensor], worker_errors: list[torch.Tensor], server_error: torch.Tensor,
-             denominator: torch.Tensor) -> torch.Tensor:
+             denominator: torch.Tensor, bound: float = math.inf) -> torch.Tensor:
     """1-bit Adam's two-phase average, in the preconditioned space: every worker compresses its
     value / denominator, the server averages what it got and compresses that; times the denominator
     again. Every block has one server, so one server error per tensor does it. Zero-variance
     elements (denominator = eps) are left out."""
     live = (denominator != 1e-8).flatten()
     flat = denominator.flatten()
-    decoded = [_compress(v.flatten() / flat, e, live) for v, e in zip(values, worker_errors)]
+    decoded = [_compress((v.flatten() / flat).clamp(-bound, bound), e, live) for v, e in zip(values, worker_errors)]
     mean = decoded[0].clone()
     for d in decoded[1:]:
         mean += d
@@ -152,8 +160,8 @@ def _one_bit_adam(initial: dict, records: list[list[dict]], freeze: int) -> dict
             denominator = t.v[name].sqrt() + 1e-8
             if name not in u:
                 u[name] = t.m[name][0] / denominator
-            local = [u[name] * BETAS[0] + (1 - BETAS[0]) * (per_rank[r][name][0] / denominator)
-                     for r in range(t.ranks)]
+            local = [(u[name] * BETAS[0] + (1 - BETAS[0]) * (per_rank[r][name][0] / denominator))
+                     .clamp(-MOMENTUM_BOUND, MOMENTUM_BOUND) for r in range(t.ranks)]
             u[name] = _average(local, t.worker[name], t.server[name], torch.where(t.v[name] != 0, 1.0, 1e-8))
             t.p[name] = [t.p[name][0] * (1 - lr * wd) - lr * u[name]] * t.ranks
     return {n: ranks[0] for n, ranks in t.p.items()}
@@ -177,7 +185,8 @@ def _zero_one_adam(initial: dict, records: list[list[dict]], var_freeze: int, va
                     t.adam(name, g, lr, wd)
                 else:
                     grads = [per_rank[r][name][0] for r in range(t.ranks)]
-                    averaged = _average(grads, t.worker[name], t.server[name], t.v[name].sqrt() + 1e-8)
+                    averaged = _average(grads, t.worker[name], t.server[name], t.v[name].sqrt() + 1e-8,
+                                        GRADIENT_BOUND)
                     m = t.m[name][0].lerp(averaged, 1 - BETAS[0])
                     t.frozen_adam(name, m, lr, wd)
             if full:
@@ -195,7 +204,7 @@ def _zero_one_adam(initial: dict, records: list[list[dict]], var_freeze: int, va
             for r in range(t.ranks):
                 g, lr, wd = per_rank[r][name]
                 t.m[name][r] = t.m[name][r].lerp(g, 1 - BETAS[0])
-                move = t.m[name][r] / denom + wd * t.p[name][r]
+                move = (t.m[name][r] / denom).clamp(-MOMENTUM_BOUND, MOMENTUM_BOUND) + wd * t.p[name][r]
                 t.p[name][r] = t.p[name][r] - lr * move
                 u[name][r] = u[name][r] - lr * move
         if step % interval == 0:
@@ -241,7 +250,7 @@ def _one_bit_lamb(initial: dict, records: list[list[dict]], freeze: int) -> dict
             else:
                 previous = t.m[name][0]
                 local = [previous * BETAS[0] + (1 - BETAS[0]) * per_rank[r][name][0] for r in range(t.ranks)]
-                m = _average(local, t.worker[name], t.server[name], v.sqrt() + 1e-8)
+                m = _average(local, t.worker[name], t.server[name], v.sqrt() + 1e-8, MOMENTUM_BOUND)
                 recovered = (m - BETAS[0] * previous) / (1 - BETAS[0])
                 fresh[name].mul_(BETAS[1]).addcmul_(recovered, recovered, value=1 - BETAS[1])
                 denom = v.sqrt() + 1e-8

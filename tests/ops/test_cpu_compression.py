@@ -35,14 +35,12 @@ def _inputs(layout: BlockLayout, seed: int) -> tuple[torch.Tensor, torch.Tensor]
     return values, error
 
 
-def test_the_layout_starts_every_tensor_on_a_block_and_splits_into_server_chunks():
+def test_the_layout_starts_every_tensor_on_a_block_and_fills_whole_server_chunks():
     layout = BlockLayout([5000, 10, 4096, 1], world=2)
     assert layout.offsets == [0, 3 * BLOCK, 4 * BLOCK, 6 * BLOCK]
     assert layout.numel == 8 * BLOCK  # 7 blocks, rounded up to whole chunks of 2 ranks
     assert layout.counts.tolist() == [2048, 2048, 904, 10, 2048, 2048, 1, 1]
     assert layout.padding.numel() == layout.numel - (5000 + 10 + 4096 + 1)
-    counts, padding = layout.chunk(1)
-    assert counts.tolist() == [2048, 2048, 1, 1] and padding.min() >= 0 and padding.max() < 4 * BLOCK
 
 
 def test_signs_pack_high_bit_first_and_round_trip():
@@ -81,3 +79,4 @@ def test_error_feedback_keeps_what_the_signs_leave_out():
     assert not error[layout.padding].any()
     rms = (before[:BLOCK].double().square().mean().sqrt()).float()
     assert scales[0] == rms and scales[3] == (before[6144:6154].double().square().mean().sqrt()).float()
+

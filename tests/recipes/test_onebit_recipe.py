@@ -1,6 +1,7 @@
 """The GPT recipe at DP=2 with the shipped 1-bit configs (configs/ds_gpt2_onebit_adam.json,
-ds_gpt2_zero_one_adam.json, ds_gpt2_onebit_lamb.json), their warm-up shortened to 3 steps: each
-trains through its compressed stage, and its first 3 losses are those of its plain counterpart
+ds_gpt2_zero_one_adam.json, ds_gpt2_onebit_lamb.json), their warm-up shortened (3 steps; 0/1 Adam:
+4 variance updates, then compressed gradients and local steps from step 8): each trains through its
+compressed stage with a falling loss, and its first 3 losses are those of its plain counterpart
 (Adam or LAMB without bias correction, the same config otherwise), dropout on."""
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ from tests.recipes.test_run_config_recipe import SHAPE, _recipe
 pytestmark = pytest.mark.slow
 
 WARMUP = {"OneBitAdam": {"freeze_step": 3}, "OneBitLamb": {"freeze_step": 3},
-          "ZeroOneAdam": {"var_freeze_step": 4, "var_update_scaler": 3, "local_step_scaler": 1}}
+          "ZeroOneAdam": {"var_freeze_step": 6, "var_update_scaler": 4, "local_step_scaler": 2,
+                          "local_step_clipper": 2}}
 SHIPPED = {"OneBitAdam": "ds_gpt2_onebit_adam.json", "ZeroOneAdam": "ds_gpt2_zero_one_adam.json",
            "OneBitLamb": "ds_gpt2_onebit_lamb.json"}
 PLAIN = {"OneBitAdam": "Adam", "ZeroOneAdam": "Adam", "OneBitLamb": "Lamb"}
-ITERS = 8
+ITERS = 10
 
 
 def _engine_config(tmp_path, optimizer: str, plain: bool) -> str:
