@@ -86,8 +86,8 @@ class OneBitAdamParams(_OneBitParams):
 class ZeroOneAdamParams(_OneBitParams):
     """0/1 Adam: variance updates at doubling intervals, compressed gradients, then local steps."""
 
-    var_freeze_step: Int = Field(100000, ge=0, description="the last step that may update the variance; local "
-                                                           "steps follow")
+    var_freeze_step: Int = Field(100000, ge=0, description="the variance is frozen after it: local steps from "
+                                                           "step var_freeze_step + 2 (DeepSpeed's counting)")
     var_update_scaler: Int = Field(16, ge=1, description="variance updates per interval; the interval between "
                                                          "them then doubles")
     local_step_scaler: Int = Field(32678, ge=1, description="local steps per interval; the interval between "
@@ -134,7 +134,8 @@ class _Compressing:
             return
         self._announced.add(phase)
         if not dist.is_initialized() or dist.get_rank() == 0:
-            print(f"[megazero] {type(self).__name__}: from step {self._steps_taken() + 1}, {phase}", flush=True)
+            print(f"[megazero] {type(self).__name__}: from optimizer step {self._steps_taken() + 1} (skipped steps "
+                  f"not counted), {phase}", flush=True)
 
     def bind_data_parallel(self, group) -> None:
         """The data-parallel group to average over (before the first compressed step)."""
