@@ -137,7 +137,7 @@ class LayoutRun:
                                                         training_data=dataset, config=engine_config,
                                                         mpu=parallel_state)
         if spec.get("headers"):
-            self.engine._pipeline_shapes = None  # no shape cache: every message carries its header
+            self.engine.pipeline.shapes = None  # no shape cache: every message carries its header
         self.data = iter(loader)
         self.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.layers = [[c.layers.start, c.layers.stop] for c in getattr(model, "chunks", [model])]

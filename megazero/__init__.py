@@ -61,8 +61,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     from megazero.optim import build_optimizer, build_scheduler
     from megazero.zero import build_data_parallel_state
     from megazero.zero.model_broadcast import broadcast_model
-    from megazero.zero.offload import build_offload
-    from megazero.zero.param_offload import make_param_swapper
+    from megazero.zero.optimizer_check import check_zero_optimizer
 
     if model is None:
         raise ValueError("initialize() needs a model")
@@ -88,12 +87,9 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     broadcast_model(model, dp_group, grid.expert_dp_group if grid is not None else None)  # one model on every replica
     groups = _param_groups(optimizer, model_parameters, model, engine_config)
     tied = tied_parameters(model)
-    param_swap = make_param_swapper(engine_config, model, dp_group)  # stage 3's parameter offload
-    dp_state = build_data_parallel_state(engine_config.zero_optimization, model, [g["params"] for g in groups],
-                                         dp_group, isolate=tied, param_swap=param_swap,
+    dp_state = build_data_parallel_state(engine_config, model, [g["params"] for g in groups], dp_group, isolate=tied,
                                          ep_group=grid.ep_group if grid is not None else None,
                                          expert_dp_group=grid.expert_dp_group if grid is not None else None)
-    dp_state, wrap_optimizer = build_offload(engine_config, dp_state, dp_group)
     optimizer_groups = dp_state.optimizer_groups(groups)
     if optimizer is None:
         optimizer = build_optimizer(engine_config.optimizer, optimizer_groups)
@@ -106,8 +102,9 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
             group["params"] = new["params"]
     else:
         optimizer = optimizer(optimizer_groups)
-    _bind_averager(optimizer, dp_state, dp_group, engine_config)  # its ZeRO refusal before any other check
-    optimizer = wrap_optimizer(optimizer)  # offloaded: stepped sub-group by sub-group
+    _bind_averager(optimizer, model, dp_group, engine_config)  # its ZeRO refusal before any other check
+    check_zero_optimizer(engine_config, optimizer)
+    optimizer = dp_state.optimizer_to_step(optimizer)  # offloaded: stepped sub-group by sub-group
     _warn_client_scheduler_wins(lr_scheduler, engine_config)
     if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
         lr_scheduler = lr_scheduler(optimizer)
@@ -135,11 +132,12 @@ def _check_model_parallel(grid, config: EngineConfig) -> None:
                       f"pipeline bubble", stacklevel=3)
 
 
-def _bind_averager(optimizer, dp_state, dp_group, config: EngineConfig) -> None:
+def _bind_averager(optimizer, model: torch.nn.Module, dp_group, config: EngineConfig) -> None:
     """An optimizer that averages over the data-parallel group itself (the 1-bit optimizers) gets
-    the group; it needs whole, replicated gradients it can keep local, i.e. ZeRO stage 0."""
+    the group; it needs whole, replicated gradients it can keep local, i.e. ZeRO stage 0, and no
+    expert parameters (reduced over another group)."""
+    from megazero.model_contract import is_expert_parameter
     from megazero.optim.protocol import DataParallelAverager
-    from megazero.zero import ReplicatedState
 
     if not isinstance(optimizer, DataParallelAverager):
         return
@@ -148,7 +146,7 @@ def _bind_averager(optimizer, dp_state, dp_group, config: EngineConfig) -> None:
         raise ConfigError(f"optimizer {name} with zero_optimization.stage {config.zero_optimization.stage}: it "
                           f"compresses the whole momentum of every rank, which ZeRO partitions; use stage 0 "
                           f"(DeepSpeed refuses this combination too)")
-    if not isinstance(dp_state, ReplicatedState):
+    if any(is_expert_parameter(p) for p in model.parameters()):
         raise ConfigError(f"optimizer {name} with expert (MoE) parameters: their gradients are reduced over the "
                           f"expert-data-parallel group, which it does not compress; use Adam or Lamb")
     optimizer.bind_data_parallel(dp_group)

@@ -21,16 +21,17 @@ import torch.distributed as dist
 
 from megazero.config import EngineConfig
 from megazero.engine_api import DeepSpeedEngineAPI
-from megazero.model_contract import HIDDEN_STATES, tied_parameters
+from megazero.model_contract import tied_parameters
 from megazero.moe.aux_loss import aux_loss_gradient_scale
-from megazero.moe.layer import attached_aux_loss
 from megazero.monitor import Monitor
 from megazero.numerics import loss_guard, numerics_error
-from megazero.optim.protocol import DataParallelAverager, GradScaleTaker, takes_grad_scale, writes_copies
+from megazero.optim.protocol import DataParallelAverager, step_with_grad_scale, takes_grad_scale, writes_copies
 from megazero.parallel_state import ParallelGrid
+from megazero.pipeline.runner import EngineCalls, PipelineRunner
 from megazero.precision import LossScaler, cast_floating
 from megazero.profiling.memory import ActivationMeter
 from megazero.profiling.timers import Timers
+from megazero.step_state import StepField, StepState
 from megazero.tensor_parallel.random import MicroBatchStreams
 from megazero.tensor_parallel.utils import is_tensor_parallel
 
@@ -41,8 +42,19 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
     With a model-parallel `grid`, the module is this rank's tensor-parallel shard of one pipeline
     stage; ZeRO partitions over the grid's data-parallel group, gradient norms cover the whole
     model (shards summed, replicated parameters counted once), and train_batch() runs the 1F1B
-    pipeline schedule over gradient_accumulation_steps micro-batches.
+    pipeline schedule over gradient_accumulation_steps micro-batches (megazero.pipeline.runner).
+    The step's counters and flags live in `self.steps` (megazero.step_state.StepState).
     """
+
+    # DeepSpeed's public counters, kept in self.steps
+    micro_steps = StepField("micro_steps")
+    global_steps = StepField("global_steps")
+    global_samples = StepField("global_samples")
+    skipped_steps = StepField("skipped_steps")
+    nan_steps = StepField("nan_steps")
+    consecutive_skipped_steps = StepField("consecutive_skipped")
+    last_grad_norm = StepField("last_grad_norm")
+    last_step_overflowed = StepField("last_step_overflowed")
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig, optimizer: torch.optim.Optimizer,
                  dp_state, lr_scheduler, dp_group: dist.ProcessGroup | None, training_dataloader=None,
@@ -65,21 +77,9 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         self.loss_scaler = LossScaler.from_config(config.fp16)
         self.monitor = Monitor(config.tensorboard, config.wandb, rank=self.global_rank)
         self.timers = Timers(enabled=config.wall_clock_breakdown)
-        self.micro_steps = 0
-        self.global_steps = 0
-        self.global_samples = 0
-        self._accumulation_origin = 0  # micro_steps when the accumulation steps last changed (set_train_batch_size)
-        self.skipped_steps = 0
-        # skipped steps whose gradients were inf/nan with no dynamic loss scale to blame (fp32, bf16,
-        # static fp16): a diverging run, not a loss-scale search; reported, never skipped silently
-        self.nan_steps = 0
-        # skipped steps in a row (any cause), toward config.max_consecutive_skipped_steps (not saved in
-        # checkpoints: a resumed run counts afresh); megazero.numerics says what stops the run
-        self.consecutive_skipped_steps = 0
+        self.steps = StepState()  # counters and flags of the step (megazero.step_state)
         self._loss_guards: list[torch.Tensor] = []  # per backward since the last step: 1.0, or nan for a bad loss
         self._numerics_error = None  # raised by step() once the step's counters are updated
-        self.last_grad_norm: float | None = None
-        self.last_step_overflowed = False
         self.last_flops_profile: str | None = None
         self.last_activation_bytes = 0  # what the last forward kept for backward
         # dropout streams keyed by (step, micro-batch, stage, TP rank); the seed is saved in checkpoints
@@ -87,17 +87,11 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
                                              grid.pp_rank if grid else 0, grid.tp_rank if grid else 0,
                                              grid.tensor_model_parallel_size if grid else 1,
                                              layout_invariant=config.dropout_masks.layout_invariant)
-        self._pipeline_micro: int | None = None  # the 1F1B schedule's micro-batch in forward
-        self._pipeline_shapes: dict = {}  # the p2p messages' shapes, kept across steps (StageLinks' shapes)
-        # training forwards since the last optimizer step: the micro-batch's number within its step,
-        # also when the user accumulates with no_sync() or set_gradient_accumulation_boundary()
-        self._forwards_since_step = 0
+        self.pipeline = PipelineRunner(grid, model, config, self.timers, self.steps, EngineCalls(
+            self, self._backward, self._scaled_loss, self.step, lambda: self.device)) if self.is_pipelined else None
         # what the optimizer can do in its own pass (megazero.optim.protocol): unscale/clip (torch's
         # fused Adam, megazero's ops) and write the 16-bit model copy while updating each master
         self._optimizer_unscales = takes_grad_scale(optimizer)
-        # decided once: the engine sets grad_scale on torch's fused Adam too, which would then look
-        # like a GradScaleTaker
-        self._grad_scale_as_float = isinstance(optimizer, GradScaleTaker)
         # an optimizer that averages over the data-parallel group itself (1-bit Adam once compressing)
         self._averager = optimizer if isinstance(optimizer, DataParallelAverager) else None
         self._optimizer_writes_copies = False
@@ -131,9 +125,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the current micro-step's step() will update the weights (unless overridden by
         set_gradient_accumulation_boundary)."""
-        if self._boundary_override is not None:
-            return self._boundary_override
-        return (self.micro_steps - self._accumulation_origin + 1) % self.gradient_accumulation_steps() == 0
+        return self.steps.is_boundary(self.gradient_accumulation_steps())
 
     def set_train_batch_size(self, train_batch_size: int) -> None:
         """DeepSpeed's: the global batch of the steps that follow, through the gradient accumulation
@@ -144,14 +136,14 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         if train_batch_size < per_micro_step or train_batch_size % per_micro_step:
             raise ValueError(f"train_batch_size {train_batch_size} is not a multiple of micro-batch "
                              f"{self.train_micro_batch_size_per_gpu()} x data-parallel size {self.dp_world_size}")
-        if (self.micro_steps - self._accumulation_origin) % self.gradient_accumulation_steps():
+        if self.steps.into_step(self.gradient_accumulation_steps()):
             raise RuntimeError("set_train_batch_size inside an optimizer step (after a micro-step's step() that did "
                                "not update the weights): call it between steps")
         if train_batch_size == self.train_batch_size():
             return
         self.config = self.config.model_copy(update={"train_batch_size": train_batch_size,
                                                      "gradient_accumulation_steps": train_batch_size // per_micro_step})
-        self._accumulation_origin = self.micro_steps
+        self.steps.restart_window()
         if hasattr(self.lr_scheduler, "samples_per_step"):
             self.lr_scheduler.samples_per_step = train_batch_size
 
@@ -160,7 +152,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         """Run the wrapped model (profiling its FLOPs on the configured step)."""
         profile = self.config.flops_profiler
         profiling = (profile.enabled and self.global_steps + 1 == profile.profile_step
-                     and (self.micro_steps - self._accumulation_origin) % self.gradient_accumulation_steps() == 0)
+                     and self.steps.into_step(self.gradient_accumulation_steps()) == 0)
         if profiling:
             from megazero.profiling.flops_profiler import FlopsProfiler
 
@@ -192,11 +184,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         the layout-invariant dropout mode keys its masks by them."""
         if not self.module.training:
             return contextlib.nullcontext()
-        if self._pipeline_micro is not None:
-            micro = self._pipeline_micro
-        else:
-            micro = self._forwards_since_step
-            self._forwards_since_step += 1
+        micro = self.steps.next_forward()
         index, size = micro * self.dp_world_size + self.dp_rank, self.train_micro_batch_size_per_gpu()
         return self.rng_streams.micro_batch(self.global_steps, index, range(index * size, (index + 1) * size))
 
@@ -233,13 +221,11 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
             self.timers("step").start()
             self._optimizer_step()
             self.timers("step").stop()
-            self._step_applied = not self.last_step_overflowed
-            self._forwards_since_step = 0
-            self.global_steps += 1
-            self.global_samples += self.train_batch_size()
+            self.steps.end_micro_step(True, self.train_batch_size())
             if self.global_steps % self.config.steps_per_print == 0:
                 self._report_progress()
-        self.micro_steps += 1
+        else:
+            self.steps.end_micro_step(False, 0)
         if self._numerics_error is not None:  # after the counters: the engine stays consistent
             error, self._numerics_error = self._numerics_error, None
             raise error
@@ -253,17 +239,12 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         scale = self.loss_scaler.scale
         grad_norm = self.dp.grad_norm(*self._norm_scope()) / scale
         overflow = not math.isfinite(grad_norm)
-        self.last_step_overflowed = overflow
-        self.last_grad_norm = grad_norm
+        self.steps.record_optimizer_step(grad_norm, overflow, nan=overflow and not self.loss_scaler.dynamic)
         if overflow:
-            self.skipped_steps += 1
-            if not self.loss_scaler.dynamic:
-                self._report_nan_step(grad_norm)
-            self._count_skipped_step(grad_norm)
+            self._report_skipped_step(grad_norm)
             self.dp.start_window()
             self.loss_scaler.update(True)
             return
-        self.consecutive_skipped_steps = 0
         self._loss_guards.clear()
         divisor = scale
         clip = self.config.gradient_clipping
@@ -271,20 +252,12 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
             divisor = scale * (grad_norm + 1e-6) / clip
         self.timers("optimizer").start()
         self.dp.attach_grads()
-        if divisor != 1.0 and self._optimizer_unscales:
-            # the optimizer divides by grad_scale inside its own pass: no extra pass over the grads.
-            # megazero's ops take a float (fp32-rounded, as torch's fused Adam's tensor is): a tensor
-            # on the GPU would be read back, a host sync; torch's fused Adam wants a tensor on the
-            # device, made by a fill kernel (no host-to-device copy to wait for)
-            if self._grad_scale_as_float:
-                self.optimizer.grad_scale = torch.tensor(divisor, dtype=torch.float32).item()
-            else:
-                self.optimizer.grad_scale = torch.full((), divisor, dtype=torch.float32, device=self.device)
-        elif divisor != 1.0:
-            self.dp.scale_gradients(1.0 / divisor)
-        self.optimizer.step()
-        if self._optimizer_unscales:
-            self.optimizer.grad_scale = None
+        if divisor != 1.0 and self._optimizer_unscales:  # inside its own pass: no extra pass over the grads
+            step_with_grad_scale(self.optimizer, divisor)
+        else:
+            if divisor != 1.0:
+                self.dp.scale_gradients(1.0 / divisor)
+            self.optimizer.step()
         self.dp.detach_grads()
         self.dp.update_model(copies_written=self._optimizer_writes_copies)
         self.timers("optimizer").stop()
@@ -321,7 +294,8 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         last stage's, on every stage).
         """
         if self.is_pipelined:
-            return self._train_batch_pipelined(data_iter)
+            return self.pipeline.train_batch([self.to_device(next(data_iter))
+                                              for _ in range(self.gradient_accumulation_steps())])
         total = None
         for _ in range(self.gradient_accumulation_steps()):
             batch = self.to_device(next(data_iter))
@@ -332,77 +306,6 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
             total = value if total is None else total + value
         return (total / self.gradient_accumulation_steps()).float().cpu()
 
-    def _train_batch_pipelined(self, data_iter) -> torch.Tensor:
-        """train_batch() through the 1F1B schedule (interleaved when the module holds several model
-        chunks, megazero.pipeline.ModelChunks): every stage reads the same micro-batches; the first
-        virtual stage feeds the inputs, later ones take hidden_states from their predecessor."""
-        grid, micro = self.grid, self.gradient_accumulation_steps()
-        batches = [self.to_device(next(data_iter)) for _ in range(micro)]
-
-        def backward_step(chunk: int, m: int, output: torch.Tensor, output_grad: torch.Tensor | None) -> None:
-            if output_grad is None:  # the last virtual stage's output is the loss
-                output = self._scaled_loss(output, micro)
-            self._backward(output, output_grad)
-            # one micro-step per micro-batch, ended by its last backward here (chunk 0's); the
-            # boundary backward, the stage's last, is chunk 0's of the last micro-batch
-            if chunk == 0 and m < micro - 1:
-                self.step()
-
-        aux: list[torch.Tensor] = []
-        losses = self._run_pipeline_schedule(batches, backward_step, aux)
-        self.step()  # the optimizer step, once this stage has sent its last input gradient
-        mean = torch.stack(losses).mean() if losses else torch.zeros((), dtype=torch.float32, device=self.device)
-        if aux:  # MoE auxiliary losses of the model chunks without the loss, as the single model's loss has them
-            mean = mean + torch.stack(aux).sum() / micro
-        dist.all_reduce(mean, group=grid.pp_group)  # the last stage's loss (plus those), the same on every stage
-        return mean.cpu()
-
-    def _run_pipeline_schedule(self, batches: list, backward_step, aux: list | None = None) -> list[torch.Tensor]:
-        """Run `batches` through this stage's 1F1B schedule (interleaved with several model chunks);
-        backward_step None: forward only (evaluation). Returns the last stage's losses (fp32); `aux`
-        gets the value of the MoE auxiliary losses each training forward of a chunk without the
-        loss attached to its output (megazero.moe.attached_aux_loss)."""
-        from megazero.pipeline import StageLinks, interleaved_one_f_one_b, one_f_one_b
-        from megazero.pipeline.chunks import MODEL_CHUNK, model_chunks
-        from megazero.pipeline.p2p import input_shapes
-
-        grid = self.grid
-        chunks = model_chunks(self.module)
-        num_chunks = len(chunks)
-        # messages of shapes both sides have seen for these input shapes go without their headers
-        links = StageLinks(grid.pp_ranks, grid.pp_rank, grid.pp_group, self.config.compute_dtype, self.device,
-                           self.timers, ring=num_chunks > 1, shapes=self._pipeline_shapes,
-                           shape_key=input_shapes(batches), transport=self.config.pipeline.p2p_transport)
-        losses = []
-
-        auto_cast = self.config.fp16.enabled and self.config.fp16.auto_cast  # the stages' inputs, as forward's
-
-        def forward_step(chunk: int, m: int, received: torch.Tensor | None) -> torch.Tensor:
-            batch = cast_floating(batches[m], torch.float16) if auto_cast else batches[m]
-            kwargs = dict(batch) if received is None else {**batch, HIDDEN_STATES: received}
-            if num_chunks > 1:
-                kwargs[MODEL_CHUNK] = chunk
-            self._pipeline_micro = m
-            try:
-                output = self(**kwargs)
-            finally:
-                self._pipeline_micro = None
-            if grid.is_last_stage and chunk == num_chunks - 1:
-                losses.append(output.detach().float())
-            elif aux is not None and torch.is_tensor(value := attached_aux_loss(chunks[chunk])):
-                aux.append(value.float())
-            return output
-
-        stage, stages, micro = grid.pp_rank, grid.pipeline_model_parallel_size, len(batches)
-        forward_only = backward_step is None
-        if num_chunks > 1:
-            interleaved_one_f_one_b(micro, stage, stages, num_chunks, links, forward_step, backward_step,
-                                    forward_only)
-        else:
-            one_f_one_b(micro, stage, stages, links, lambda m, x: forward_step(0, m, x),
-                        None if forward_only else lambda m, y, g: backward_step(0, m, y, g), forward_only)
-        return losses
-
     @torch.no_grad()
     def eval_batch(self, batch) -> torch.Tensor:
         """Loss of one batch (a mapping of model keyword arguments), without gradients; with
@@ -411,10 +314,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         batch = self.to_device(batch)
         if not self.is_pipelined:
             return self(**batch).detach().float()
-        losses = self._run_pipeline_schedule([batch], None)
-        loss = losses[0] if losses else torch.zeros((), dtype=torch.float32, device=self.device)
-        dist.broadcast(loss, src=self.grid.pp_ranks[-1], group=self.grid.pp_group)
-        return loss
+        return self.pipeline.eval_batch(batch)
 
     @property
     def device(self) -> torch.device:
@@ -431,20 +331,17 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
             return type(batch)(self.to_device(value) for value in batch)
         return batch
 
-    def _report_nan_step(self, grad_norm: float) -> None:
-        self.nan_steps += 1
-        if self.global_rank == 0:
+    def _report_skipped_step(self, grad_norm: float) -> None:
+        """Report a step skipped with no dynamic loss scale to blame; at max_consecutive_skipped_steps
+        build the NumericsError step() raises (collectively, while the gradients are still there to
+        name the first non-finite one)."""
+        if not self.loss_scaler.dynamic and self.global_rank == 0:
             print(f"[megazero] step {self.global_steps + 1} skipped: the gradient norm is {grad_norm} under "
                   f"{str(self.config.compute_dtype).replace('torch.', '')} without dynamic loss scaling "
                   f"({self.nan_steps} such steps so far)", flush=True)
-
-    def _count_skipped_step(self, grad_norm: float) -> None:
-        """Count a skipped step; at max_consecutive_skipped_steps build the NumericsError step() raises
-        (collectively, while the gradients are still there to name the first non-finite one)."""
-        self.consecutive_skipped_steps += 1
         losses, self._loss_guards = self._loss_guards, []
         limit = self.config.max_consecutive_skipped_steps
-        if limit and self.consecutive_skipped_steps >= limit:
+        if limit and self.steps.consecutive_skipped >= limit:
             self._numerics_error = numerics_error(self, grad_norm, losses)
 
     def _report_progress(self) -> None:

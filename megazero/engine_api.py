@@ -16,12 +16,7 @@ import torch.distributed as dist
 
 class DeepSpeedEngineAPI:
     """Mixin for megazero.engine.Engine (which provides config, dp, module, optimizer, grid,
-    micro_steps, last_grad_norm, last_step_overflowed, global_rank)."""
-
-    _inside_no_sync = False
-    _boundary_override: bool | None = None  # set_gradient_accumulation_boundary()
-    _step_applied = False
-    _reduced_at_micro_step: int | None = None  # a backward that started reductions, not yet stepped
+    global_rank and steps, its megazero.step_state.StepState)."""
 
     # ---- configuration and topology -----------------------------------------------------------
     def zero_optimization_stage(self) -> int:
@@ -53,12 +48,12 @@ class DeepSpeedEngineAPI:
         """The L2 norm of the whole gradient (all ranks, all model-parallel shards), unscaled and before
         clipping, measured by the last optimizer step; inf/nan when that step was skipped for overflow;
         None before the first step."""
-        return self.last_grad_norm
+        return self.steps.last_grad_norm
 
     def was_step_applied(self) -> bool:
         """True when the latest step() updated the weights: False between accumulation boundaries,
         after an overflow skip, and before the first step."""
-        return self._step_applied
+        return self.steps.step_applied
 
     def get_mom(self) -> list:
         """Per param group: `betas` for Adam-like optimizers, else `momentum` (SGD), else 0.0."""
@@ -79,9 +74,9 @@ class DeepSpeedEngineAPI:
     def zero_grad(self) -> None:
         """Discard the gradients accumulated since the last step (waiting first for reductions a
         backward already started; collective in that case, as that backward was)."""
-        if self._reduced_at_micro_step == self.micro_steps:
+        if self.steps.reduced_at_micro_step == self.steps.micro_steps:
             self.dp.reduce_gradients()
-        self._reduced_at_micro_step = None
+        self.steps.reduced_at_micro_step = None
         self.dp.start_window()
         for param in self.module.parameters():
             param.grad = None
@@ -91,17 +86,17 @@ class DeepSpeedEngineAPI:
         """Backward passes inside skip gradient communication; gradients accumulate locally and the next
         backward outside reduces them all. step() is refused inside. ZeRO stages 2 and 3 reduce-scatter
         during every backward to partition the gradients, so there it raises (as in DeepSpeed)."""
-        if self.zero_optimization_stage() >= 2:
+        if self.dp.gradients_partitioned:
             raise RuntimeError(f"no_sync context manager is incompatible with gradient partitioning logic of ZeRO "
                                f"stage {self.zero_optimization_stage()}: use stage 0 or 1, or "
                                f"gradient_accumulation_steps")
-        if self._inside_no_sync:
+        if self.steps.inside_no_sync:
             raise RuntimeError("no_sync context manager reentry is unsupported")
-        self._inside_no_sync = True
+        self.steps.inside_no_sync = True
         try:
             yield
         finally:
-            self._inside_no_sync = False
+            self.steps.inside_no_sync = False
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
         """Override whether the next backward/step are at the accumulation boundary (None: count micro-
@@ -110,20 +105,20 @@ class DeepSpeedEngineAPI:
         if is_boundary is not None and not isinstance(is_boundary, bool):
             raise TypeError(f"set_gradient_accumulation_boundary expects a bool (or None), got "
                             f"{type(is_boundary).__name__} {is_boundary!r}")
-        self._boundary_override = is_boundary
+        self.steps.boundary_override = is_boundary
 
     def _reduces_this_backward(self, boundary: bool) -> bool:
         """Hook for the engine's backward: whether its gradients are reduced now."""
-        reduces = boundary and not self._inside_no_sync
+        reduces = boundary and not self.steps.inside_no_sync
         if reduces:
-            self._reduced_at_micro_step = self.micro_steps
+            self.steps.reduced_at_micro_step = self.steps.micro_steps
         return reduces
 
     def _begin_step(self) -> None:
         """Hook at the top of the engine's step()."""
-        if self._inside_no_sync:
+        if self.steps.inside_no_sync:
             raise RuntimeError("It is illegal to call Engine.step() inside no_sync context manager")
-        self._step_applied = False
+        self.steps.step_applied = False
 
     # ---- weights for inference / export -------------------------------------------------------
     def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin",

@@ -55,6 +55,15 @@ def implements_contract(module: torch.nn.Module) -> bool:
     return isinstance(module, ModelContract)
 
 
+EXPERT_ATTRIBUTE = "megazero_expert"  # set True on a parameter that holds this rank's experts (megazero.moe)
+
+
+def is_expert_parameter(param: torch.nn.Parameter) -> bool:
+    """True for a parameter that holds this rank's experts: data parallelism reduces it over the
+    expert-data-parallel group, not the data-parallel one."""
+    return bool(getattr(param, EXPERT_ATTRIBUTE, False))
+
+
 def _same(name: str) -> str:
     return name
 

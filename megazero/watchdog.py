@@ -291,7 +291,7 @@ class Watchdog:
             return ""
         grid = engine.grid
         pipelined = grid is not None and grid.pipeline_model_parallel_size > 1
-        micro = engine._pipeline_micro + 1 if engine._pipeline_micro is not None else engine._forwards_since_step
+        micro = engine.steps.micro_batches_started()
         text = f"step {engine.global_steps + 1}" if micro or pipelined else f"after step {engine.global_steps}"
         if micro:
             text += f", micro-batch {micro} of {engine.gradient_accumulation_steps()}"

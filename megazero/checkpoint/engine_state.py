@@ -147,14 +147,7 @@ def _model_state(engine, client_state: dict, names: dict[int, str]) -> dict:
         "layout": layout_of(engine),
         "param_meta": {names[id(p)]: list(partition_of(p)) for p in params.values()},
         "model_config": model_config_dict(engine.module),
-        "global_steps": engine.global_steps,
-        "global_samples": engine.global_samples,
-        "micro_steps": engine.micro_steps,
-        # micro-steps taken into the current optimizer step (0 at a boundary): with a batch ramp-up the
-        # accumulation steps change, so micro_steps alone does not say it
-        "micro_steps_into_step": (engine.micro_steps - engine._accumulation_origin)
-        % engine.gradient_accumulation_steps(),
-        "skipped_steps": engine.skipped_steps,
+        **engine.steps.state_dict(engine.gradient_accumulation_steps()),  # the step counters (StepState)
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
         "loss_scaler": engine.loss_scaler.state_dict(),
         "dp_world_size": engine.dp_world_size,
@@ -322,14 +315,8 @@ def load_engine_checkpoint(engine, load_dir, tag, load_optimizer_states: bool, l
     else:
         apply_parameter_states(engine, read_parameter_states(path), load_optimizer_states, names)
         engine.module.load_state_dict(_local_buffers(engine, state), strict=False)
-    _restore_engine_state(engine, state, load_lr_scheduler_states)
+    _restore_engine_state(engine, state, load_lr_scheduler_states, same_layout)
     _restore_rank_state(engine, path, same_layout, load_optimizer_states)
-    if not same_layout:  # another layout may accumulate another number of micro-batches per step
-        engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
-    into_step = state.get("micro_steps_into_step", engine.micro_steps % engine.gradient_accumulation_steps()) \
-        if same_layout else 0
-    engine._accumulation_origin = engine.micro_steps - into_step
-    engine._forwards_since_step = into_step
     if state.get("rng_seed") is not None:  # the dropout streams' seed: layout-independent
         engine.rng_streams.seed = int(state["rng_seed"])
     rng_path = os.path.join(path, rng_file(engine.global_rank))
@@ -455,14 +442,12 @@ def _load_same_layout(engine, path: str, state: dict, state_path: str, own: dict
         raise CheckpointError(f"{state_path}: {e}") from e
 
 
-def _restore_engine_state(engine, state: dict, load_lr_scheduler_states: bool) -> None:
+def _restore_engine_state(engine, state: dict, load_lr_scheduler_states: bool, same_layout: bool) -> None:
     if load_lr_scheduler_states and engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
     engine.loss_scaler.load_state_dict(state["loss_scaler"])
-    engine.global_steps = state["global_steps"]
-    engine.global_samples = state["global_samples"]
-    engine.micro_steps = state["micro_steps"]
-    engine.skipped_steps = state["skipped_steps"]
+    # another layout may accumulate another number of micro-batches per step: it resumes at a step's start
+    engine.steps.load_state_dict(state, engine.gradient_accumulation_steps(), same_layout)
     if engine.training_dataloader is not None:
         engine.training_dataloader.set_consumed_samples(state["global_samples"])
 

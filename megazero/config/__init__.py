@@ -632,7 +632,7 @@ def validate_config(raw: dict) -> EngineConfig:
     from megazero.config.deepspeed_keys import RefusedKey, UnknownKey, screen
 
     try:
-        raw = screen(raw)
+        raw = screen(raw, EngineConfig)
     except (RefusedKey, UnknownKey) as e:
         raise ConfigError(str(e)) from None
     try:

@@ -266,13 +266,9 @@ def rule_for(path: str) -> Rule | None:
     return None
 
 
-def schema_keys(model: type[BaseModel] | None = None, prefix: str = "") -> set[str]:
-    """Every dotted key megazero's schema holds (aliases included; `optimizer.params` and
-    `scheduler.params` are one key each: their keys depend on the type)."""
-    if model is None:
-        from megazero.config import EngineConfig
-
-        model = EngineConfig
+def schema_keys(model: type[BaseModel], prefix: str = "") -> set[str]:
+    """Every dotted key the schema `model` (megazero.config.EngineConfig) holds (aliases included;
+    `optimizer.params` and `scheduler.params` are one key each: their keys depend on the type)."""
     keys = set()
     for name, info in model.model_fields.items():
         inner = section_type(info.annotation)
@@ -283,10 +279,11 @@ def schema_keys(model: type[BaseModel] | None = None, prefix: str = "") -> set[s
     return keys
 
 
-def classify(path: str) -> str | None:
-    """The class of DeepSpeed key `path`: IMPLEMENTED, NO_EFFECT or REFUSED (for a rule refusing
-    unless off, REFUSED); None when megazero does not classify it."""
-    if path in schema_keys() or canonical(path) in schema_keys() or path in IMPLEMENTED_ELSEWHERE:
+def classify(path: str, model: type[BaseModel]) -> str | None:
+    """The class of DeepSpeed key `path` for megazero's schema `model`: IMPLEMENTED, NO_EFFECT or
+    REFUSED (for a rule refusing unless off, REFUSED); None when megazero does not classify it."""
+    keys = schema_keys(model)
+    if path in keys or canonical(path) in keys or path in IMPLEMENTED_ELSEWHERE:
         return IMPLEMENTED
     rule = rule_for(path)
     return None if rule is None else (REFUSED if rule.refused else NO_EFFECT)
@@ -314,15 +311,11 @@ class RefusedKey(ValueError):
     """A DeepSpeed key whose feature megazero lacks (the message names the feature)."""
 
 
-def screen(raw: dict, model: type[BaseModel] | None = None, loc: tuple = ()) -> dict:
+def screen(raw: dict, model: type[BaseModel], loc: tuple = ()) -> dict:
     """`raw` with DeepSpeed's keys that have no effect here dropped (one warning each), after
     raising RefusedKey for one whose feature megazero lacks and UnknownKey for a key nobody
     defines (a warning, the key dropped, with MEGAZERO_UNKNOWN_CONFIG_KEYS=warn). Keys of
-    megazero's schema are kept for it to validate."""
-    if model is None:
-        from megazero.config import EngineConfig
-
-        model = EngineConfig
+    megazero's schema (`model`, megazero.config.EngineConfig) are kept for it to validate."""
     names = key_names(model)
     out = {}
     for key, value in raw.items():

@@ -5,11 +5,11 @@ step one pass over memory; an optimizer opts in to each by having its members (t
 below), and the engine asks through `takes_grad_scale` and `writes_copies`, nothing else:
 
 - `GradScaleTaker`: the optimizer divides every gradient by `grad_scale` inside step(). The
-  engine sets it (loss scale times the clipping factor: a float for a GradScaleTaker, a 0-dim
-  fp32 tensor on the device for torch's fused Adam, which never declares it) just before step()
-  and resets it to None after; None means 1. Without it, the engine first multiplies the
-  gradients by 1 / divisor in a separate pass. torch's own fused Adam/AdamW reads `grad_scale`
-  the same way, so it counts too (`fused=True`).
+  engine steps it through `step_with_grad_scale` (the divisor: loss scale times the clipping
+  factor), which sets it just before step() and resets it to None after; None means 1. Without
+  it, the engine first multiplies the gradients by 1 / divisor in a separate pass. torch's own
+  fused Adam/AdamW (`fused=True`) reads `grad_scale` the same way without declaring it: it counts
+  too, and gets the attribute for the one step only, as torch's GradScaler gives it.
 - `CopyTargetWriter`: set_copy_targets({id(master): tensor16}) once, at engine start-up; each
   step() then writes every updated master into its bf16/fp16 tensor (round to nearest even), so
   the engine skips its cast pass. The engine calls it only when every master has a target.
@@ -77,6 +77,30 @@ def takes_grad_scale(optimizer: torch.optim.Optimizer) -> bool:
         return True
     # torch's fused Adam/AdamW take `grad_scale` by the same convention, without declaring it
     return isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and bool(optimizer.defaults.get("fused"))
+
+
+def step_with_grad_scale(optimizer: torch.optim.Optimizer, grad_scale: float | None) -> None:
+    """optimizer.step() with every gradient divided by `grad_scale` (None: 1) inside its own pass;
+    for an optimizer that takes_grad_scale(). A GradScaleTaker gets a float, rounded to fp32 as a
+    tensor would be (a tensor on the GPU would be read back: a host sync), reset to None after.
+    torch's fused Adam gets a 0-dim fp32 tensor on its parameters' device (a fill kernel: no copy
+    to wait for), deleted after: it never turns into a GradScaleTaker."""
+    if grad_scale is None:
+        optimizer.step()
+        return
+    if isinstance(optimizer, GradScaleTaker):
+        optimizer.grad_scale = torch.tensor(grad_scale, dtype=torch.float32).item()
+        try:
+            optimizer.step()
+        finally:
+            optimizer.grad_scale = None
+        return
+    device = optimizer.param_groups[0]["params"][0].device
+    optimizer.grad_scale = torch.full((), grad_scale, dtype=torch.float32, device=device)
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.grad_scale
 
 
 def writes_copies(optimizer: torch.optim.Optimizer) -> bool:

@@ -27,6 +27,7 @@ checkpoint loads at any EP size.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Any
 
@@ -34,19 +35,16 @@ import torch
 import torch.distributed as dist
 
 from megazero.distributed import all_reduce_sum
-from megazero.zero.averaging import AVERAGE_THEN_SUM, GradientAveraging
-from megazero.zero.gathering import DEFAULT_GATHERING, ParameterGathering
-from megazero.zero.partitioned import PartitionedState
-from megazero.zero.protocol import ExportedParameterStates, export_parameter_states, register_checkpoint_format
-from megazero.zero.replicated import ReplicatedState
+from megazero.model_contract import is_expert_parameter
+from megazero.zero.protocol import (
+    DataParallelState,
+    ExportedParameterStates,
+    export_parameter_states,
+    register_checkpoint_format,
+)
 
 EXPERT_PARALLEL_FORMAT = "expert_parallel"
 EXPERT_DIM = 0  # the dimension along which an expert parameter stacks its experts
-
-
-def is_expert_parameter(param: torch.nn.Parameter) -> bool:
-    """True for a parameter that holds this rank's experts (megazero.moe sets `megazero_expert`)."""
-    return bool(getattr(param, "megazero_expert", False))
 
 
 def _size(group) -> int:
@@ -132,6 +130,12 @@ class _OptimizerView:
         self.loaded = state
 
 
+# (param groups, process group, grad divisor or None for the group's size, isolated parameters) ->
+# the state of this ZeRO stage over them (megazero.zero.factory)
+InnerBuilder = Callable[[list[list[torch.nn.Parameter]], Any, "int | None", list[torch.nn.Parameter]],
+                        DataParallelState]
+
+
 class ExpertParallelState:
     """Two data-parallel states of one ZeRO stage: `dense` over the data-parallel group, `expert`
     over the expert-data-parallel group (a megazero.zero.protocol.DataParallelState; module docstring)."""
@@ -142,9 +146,7 @@ class ExpertParallelState:
     export_parameter_states = staticmethod(export_expert_parallel)
 
     def __init__(self, groups: list[list[torch.nn.Parameter]], stage: int, dp_group, ep_group, expert_dp_group,
-                 bucket_numel: int, overlap: bool, isolate: list[torch.nn.Parameter] = (),
-                 averaging: GradientAveraging = AVERAGE_THEN_SUM,
-                 gathering: ParameterGathering = DEFAULT_GATHERING):
+                 build_inner: InnerBuilder, isolate: list[torch.nn.Parameter] = ()):
         self.stage = stage
         self.dp_group, self.ep_group = dp_group, ep_group
         self.expert_dp_group = expert_dp_group if expert_dp_group is not None else dp_group
@@ -156,18 +158,11 @@ class ExpertParallelState:
         dense = [[p for p in groups[i] if not is_expert_parameter(p)] for i in self._dense_groups]
         experts = [[p for p in groups[i] if is_expert_parameter(p)] for i in self._expert_groups]
 
-        def build(params, group, divisor, tied):
-            if not params:
-                return None
-            if stage == 0:
-                return ReplicatedState(params, group, bucket_numel, overlap, grad_divisor=divisor, averaging=averaging)
-            return PartitionedState(params, group, bucket_numel, overlap, stage, tied, grad_divisor=divisor,
-                                    averaging=averaging, gathering=gathering)
-
-        self.dense = build(dense, dp_group, None, isolate)
+        self.dense = build_inner(dense, dp_group, None, isolate) if dense else None
         # summed over the expert-DP group, divided by the whole DP size (module docstring)
-        self.expert = build(experts, self.expert_dp_group, self.dp_size, ())
+        self.expert = build_inner(experts, self.expert_dp_group, self.dp_size, ()) if experts else None
         self._states = [s for s in (self.dense, self.expert) if s is not None]
+        self.gradients_partitioned = self._states[0].gradients_partitioned  # (both states of one stage)
         self._num_groups = (len(dense), len(experts))
 
     # ---- training ----------------------------------------------------------------------------
@@ -186,6 +181,10 @@ class ExpertParallelState:
                                                                          if is_expert_parameter(p) == expert]}
                                                for i in indices])
         return out
+
+    def optimizer_to_step(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """`optimizer` itself: it steps the masters where they are."""
+        return optimizer
 
     def begin_micro_step(self, boundary: bool) -> None:
         """Both states."""
@@ -382,23 +381,3 @@ class ExpertParallelState:
             s.load_parameter_states(view, own_weights, own_states, param_groups[first:first + count])
             first += count
         self._load_optimizer(optimizer, [view for _, _, view in named])
-
-
-
-
-def build_expert_parallel_state(config, model: torch.nn.Module, groups: list[list[torch.nn.Parameter]], dp_group,
-                                ep_group, expert_dp_group, isolate: list[torch.nn.Parameter] = ()
-                                ) -> ExpertParallelState:
-    """The state for a model with expert parameters (config: the ZeroConfig); ValueError for what
-    expert parallelism does not support, naming the first expert parameter."""
-    first = next(name for name, p in model.named_parameters() if is_expert_parameter(p))
-    if config.stage == 3:
-        raise ValueError(f"zero_optimization.stage 3 with expert parameters (the first: {first}) is not supported: "
-                         f"ZeRO-3 partitions every parameter over the whole data-parallel group, but an expert "
-                         f"parameter holds different experts on each expert-parallel rank; use stage 0, 1 or 2")
-    if config.offload_optimizer.device != "none":
-        raise ValueError(f"zero_optimization.offload_optimizer with expert parameters (the first: {first}) is not "
-                         f"supported; set offload_optimizer.device to none")
-    return ExpertParallelState(groups, config.stage, dp_group, ep_group, expert_dp_group, config.reduce_bucket_size,
-                               config.overlap_comm, isolate, GradientAveraging.of(config),
-                               ParameterGathering.of(config))

@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 
 from megazero.accelerator import get_accelerator, training_device
+from megazero.model_contract import is_expert_parameter
 from megazero.zero.collectives import all_gather_chunks
-from megazero.zero.expert_parallel import is_expert_parameter
 from megazero.zero.model_broadcast import broadcast_from_first_rank
 
 
@@ -68,10 +68,9 @@ class _InitSwap:
 
     def __init__(self, nvme_path: str, group, aio: dict):
         from megazero.ops.aio import AsyncIO
-        from megazero.zero.offload import _agreed_run_id
-        from megazero.zero.swap import SwapDirectory, SwapFiles
+        from megazero.zero.swap import SwapDirectory, SwapFiles, agreed_run_id
 
-        self.files = SwapFiles(SwapDirectory(nvme_path, _agreed_run_id(group), dist.get_rank()), AsyncIO(**aio))
+        self.files = SwapFiles(SwapDirectory(nvme_path, agreed_run_id(group), dist.get_rank()), AsyncIO(**aio))
         self.count = 0
 
     def write(self, chunk: torch.Tensor) -> str:

@@ -92,6 +92,10 @@ class MasterPartitions:
                 out.append({**g, "params": masters})
         return out
 
+    def optimizer_to_step(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """`optimizer` itself: it steps the masters where they are."""
+        return optimizer
+
 
 def add_reduced_gradient(part, index: int, reduced: torch.Tensor) -> None:
     """Add this rank's reduced chunk of layout bucket `index` into `part`'s gradient partition, or

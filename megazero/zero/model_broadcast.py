@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from megazero.zero.expert_parallel import is_expert_parameter
+from megazero.model_contract import is_expert_parameter
 
 
 def broadcast_from_first_rank(tensors: list[torch.Tensor], group) -> None:

@@ -18,7 +18,7 @@ off the model's memory:
   try: nothing is lost. Memory stays `buffer_count` sub-group buffers.
 - device cpu on a GPU: in (pinned) host memory; gradients are copied to the host sub-group by
   sub-group and the 16-bit parameters copied back. On a CPU-only machine `device: cpu` is the
-  in-memory path itself (build_offload returns the state unchanged: nothing is copied twice).
+  in-memory path itself (the factory, megazero.zero.factory, wraps nothing: nothing is copied twice).
 
 With device nvme at stages 2 and 3 (on the CPU) the reduced fp32 gradient partitions go to swap
 files too, as each bucket's reduce-scatter completes (megazero.zero.grad_swap, as DeepSpeed swaps
@@ -43,11 +43,11 @@ import torch
 import torch.distributed as dist
 
 from megazero.distributed import all_reduce_sum
-from megazero.optim.protocol import GradScaleTaker, takes_grad_scale, writes_copies
+from megazero.optim.protocol import step_with_grad_scale, takes_grad_scale, writes_copies
 from megazero.zero.grad_swap import GradSwapper, drop_grad_partition
-from megazero.zero.optimizer_check import check_zero_optimizer
+from megazero.zero.protocol import PartitionedMasters
 from megazero.zero.staging import pinned
-from megazero.zero.swap import SwapDirectory, SwapFiles, new_run_id
+from megazero.zero.swap import SwapDirectory, SwapFiles, agreed_run_id
 
 ALIGN_ELEMENTS = 1024  # 4 KiB of fp32: each kind's region of a sub-group buffer stays block-aligned
 _EMPTY = torch.empty(0)  # what a swapped-out master or state holds
@@ -111,8 +111,8 @@ class OffloadedState:
     GPU); the protocol of megazero.zero.protocol, delegated to the wrapped state, with the masters
     made resident wherever the wrapped state reads them."""
 
-    def __init__(self, inner, device: str, nvme_path: str | None, sub_group_size: int, buffer_count: int,
-                 pin_memory: bool, aio_config: dict, group=None):
+    def __init__(self, inner: PartitionedMasters, device: str, nvme_path: str | None, sub_group_size: int,
+                 buffer_count: int, pin_memory: bool, aio_config: dict, group=None):
         if device not in ("cpu", "nvme"):
             raise ValueError(f"offload device must be 'cpu' or 'nvme', got {device!r}")
         self.inner = inner
@@ -140,27 +140,21 @@ class OffloadedState:
         self.files: SwapFiles | None = None
         # stage 3 with parameter offload and no copy targets: the step casts each sub-group's masters
         # into the parameter partitions (update_model would need every master resident at once)
-        self._casts_params = (device == "nvme" and self.separate
-                              and any(getattr(part, "swap", None) is not None for part in inner.parts))
+        self._casts_params = device == "nvme" and self.separate and inner.params_in_swap
         if on_gpu:
             self._masters_to_host()
         if device == "nvme":
             from megazero.ops.aio import AsyncIO
 
             rank = dist.get_rank() if dist.is_initialized() else 0
-            self.files = SwapFiles(SwapDirectory(nvme_path, _agreed_run_id(group), rank), AsyncIO(**aio_config))
+            self.files = SwapFiles(SwapDirectory(nvme_path, agreed_run_id(group), rank), AsyncIO(**aio_config))
             self._swap_out_all(write=True)
         self.grads: GradSwapper | None = None  # the gradient partitions in swap files (stages 2 and 3)
         self._grad_slots: list[torch.Tensor] = []
-        from megazero.zero.partitioned import PartitionedState
-        from megazero.zero.sharded import ShardedState
-
-        if device == "nvme" and not on_gpu and isinstance(inner, (PartitionedState, ShardedState)) \
-                and inner.stage in (2, 3):
+        if device == "nvme" and not on_gpu and inner.gradients_partitioned:
             self.grads = GradSwapper(self.files, self.groups, inner.parts, buffer_count)
             for part in inner.parts:
-                if part.grad_views and part.grad_views[0].device.type != "meta":  # (stage 3 never made them)
-                    drop_grad_partition(part)
+                drop_grad_partition(part)  # (stage 3 with swapped gradients never made them: the same again)
                 # weakly: the model (whose parameters reach stage 3's shards) may outlive the state
                 part.grad_sink = weakref.proxy(self.grads)
 
@@ -172,8 +166,7 @@ class OffloadedState:
             flat = pinned(flat, self.pin)
             for master, view in zip(part.masters, part.layout.split_partition(flat)):
                 master.data = view
-            if hasattr(part, "master_flat"):  # stage 3 keeps the flat master beside its views
-                part.master_flat = flat
+            part.master_flat = flat
 
     def _state_keys(self, sg: _SubGroup) -> list[str]:
         """The optimizer's per-element state keys of `sg`'s masters (tensors as large as the master)."""
@@ -201,10 +194,7 @@ class OffloadedState:
             buffer = _aligned(need, self.pin)
         for k, name in enumerate(self.kinds):
             for part, j, master, view in zip(sg.parts, sg.chunks, sg.masters, sg.views(buffer, k)):
-                if name == "master" and part.master_deferred:  # the same values as the parameter chunk
-                    source = part.shard_views[j]
-                else:
-                    source = master.data if name == "master" else self.optimizer.state[master][name]
+                source = part.master_values(j) if name == "master" else self.optimizer.state[master][name]
                 if source.data_ptr() != view.data_ptr():
                     view.copy_(source.reshape(-1))
         return buffer
@@ -220,7 +210,7 @@ class OffloadedState:
 
     def _release_flats(self) -> None:
         for part in self.inner.parts:
-            if self.separate and hasattr(part, "master_flat"):
+            if not part.aliased:
                 part.master_flat = _EMPTY
 
     def _swap_out_all(self, write: bool, buffers: dict | None = None) -> None:
@@ -230,12 +220,10 @@ class OffloadedState:
         unbound: dict[int, int] = {}  # id(part) -> its masters swapped out so far
         for sg in self.groups:
             if write and (self.kinds or self._state_keys(sg)):
-                deferred = list({id(p): p for p in sg.parts if p.master_deferred}.values())
-                for part in deferred:
-                    part.swap.load(part)
-                buffer = self._pack(sg, (buffers or {}).get(sg.index))
-                for part in deferred:
-                    part.swap.done(part)
+                with contextlib.ExitStack() as loaded:  # deferred masters: their values are in the partitions
+                    for part in {id(p): p for p in sg.parts if p.master_deferred}.values():
+                        loaded.enter_context(part.partition_loaded())
+                    buffer = self._pack(sg, (buffers or {}).get(sg.index))
                 sg.kinds_saved = len(self.kinds)
                 pending.append((self.files.submit_write(sg.name, buffer[:sg.kinds_saved * sg.padded]), buffer))
                 while len(pending) > self.buffer_count:  # a bounded number of buffers in flight
@@ -243,7 +231,7 @@ class OffloadedState:
             self._unbind(sg)
             for part in sg.parts:  # a part's flat master goes once all its masters are out
                 unbound[id(part)] = unbound.get(id(part), 0) + 1
-                if unbound[id(part)] == len(part.masters) and self.separate and hasattr(part, "master_flat"):
+                if unbound[id(part)] == len(part.masters) and not part.aliased:
                     part.master_flat = _EMPTY
         self._release_flats()
         for request, _ in pending:
@@ -266,13 +254,12 @@ class OffloadedState:
         self._resident += 1
         buffers = {}
         try:
-            if self.separate:
-                for part in self.inner.parts:
+            for part in self.inner.parts:
+                if not part.aliased:
                     flat = torch.empty(part.layout.partition_numel, dtype=torch.float32)
                     for master, view in zip(part.masters, part.layout.split_partition(flat)):
                         master.data = view
-                    if hasattr(part, "master_flat"):
-                        part.master_flat = flat
+                    part.master_flat = flat
             for sg in self.groups:
                 if sg.kinds_saved:
                     buffers[sg.index] = buffer = _aligned(sg.kinds_saved * sg.padded, self.pin)
@@ -420,16 +407,10 @@ class OffloadedState:
         """Cast `sg`'s stepped masters into their parameter partitions (stage 3 parameter offload): a
         swapped partition is held from its first master's cast and written back after its last, so
         that at most the partitions `sg` spans are in memory, never every master at once."""
-        with torch.no_grad():
-            for part, j, master in zip(sg.parts, sg.chunks, sg.masters):
-                done = cast.get(id(part), 0)
-                if done == 0 and part.swap is not None:
-                    part.swap.hold_for_overwrite(part)
-                view = part.shard_views[j]
-                view.copy_(master.detach().view_as(view))
-                cast[id(part)] = done = done + 1
-                if done == len(part.masters) and part.swap is not None:
-                    part.swap.write_back(part)
+        for part, j in zip(sg.parts, sg.chunks):
+            done = cast.get(id(part), 0)
+            part.write_master(j, first=done == 0, last=done + 1 == len(part.masters))
+            cast[id(part)] = done + 1
 
     def _grad_slot(self, index: int, numel: int) -> torch.Tensor:
         while len(self._grad_slots) <= index:
@@ -446,10 +427,8 @@ class OffloadedState:
             torch.cuda.synchronize()
         for master, grad in zip(sg.masters, host_grads):
             master.grad = grad
-        if grad_scale is not None or isinstance(optimizer, GradScaleTaker):
-            optimizer.grad_scale = grad_scale
         try:
-            optimizer.step()
+            step_with_grad_scale(optimizer, grad_scale)
         finally:
             for master in sg.masters:
                 master.grad = None
@@ -475,6 +454,11 @@ class OffloadedState:
         return self.inner.params_partitioned
 
     @property
+    def gradients_partitioned(self) -> bool:
+        """As the wrapped state."""
+        return self.inner.gradients_partitioned
+
+    @property
     def bucket_count(self) -> int:
         """As the wrapped state."""
         return self.inner.bucket_count
@@ -482,6 +466,10 @@ class OffloadedState:
     def optimizer_groups(self, groups: list[dict]) -> list[dict]:
         """The wrapped state's groups over its masters."""
         return self.inner.optimizer_groups(groups)
+
+    def optimizer_to_step(self, optimizer: torch.optim.Optimizer) -> OffloadedOptimizer:
+        """An OffloadedOptimizer: `optimizer` stepped sub-group by sub-group."""
+        return OffloadedOptimizer(optimizer, self)
 
     def begin_micro_step(self, boundary: bool) -> None:
         """As the wrapped state."""
@@ -610,15 +598,6 @@ class OffloadedState:
                 self.files.close()
 
 
-def _agreed_run_id(group) -> str:
-    """One run id for the data-parallel group (its rank 0's)."""
-    run_id = [new_run_id()]
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        src = dist.get_global_rank(group, 0) if group is not None else 0
-        dist.broadcast_object_list(run_id, src=src, group=group)
-    return run_id[0]
-
-
 class OffloadedOptimizer(torch.optim.Optimizer):
     """The optimizer the engine steps when the optimizer is offloaded: `inner` (the real one, over
     the masters) stepped sub-group by sub-group by `state`. param_groups, state and state_dict()
@@ -631,8 +610,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         state.optimizer = inner
         self.defaults = inner.defaults
         self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
-        self._scale_as_tensor = takes_grad_scale(inner) and not isinstance(inner, GradScaleTaker)
-        if takes_grad_scale(inner):  # declared only then: the engine asks by the attribute
+        self._takes_scale = takes_grad_scale(inner)
+        if self._takes_scale:  # a GradScaleTaker only then: the engine hands it the divisor
             self.grad_scale = None
 
     @property
@@ -661,12 +640,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         """One update of every master, sub-group by sub-group."""
         loss = closure() if closure is not None else None
-        scale = getattr(self, "grad_scale", None)
-        if scale is not None and self._scale_as_tensor:  # torch's fused Adam wants a tensor
-            scale = torch.full((), float(scale), dtype=torch.float32)
-        self.offload.step(self.inner, scale)
-        if hasattr(self.inner, "grad_scale"):
-            self.inner.grad_scale = None
+        self.offload.step(self.inner, self.grad_scale if self._takes_scale else None)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -682,27 +656,3 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         """inner's, resident; written back to the swap files after."""
         with self.offload.resident():
             self.inner.load_state_dict(state_dict)
-
-
-def build_offload(config, state, group=None):
-    """(state, wrap_optimizer) for an EngineConfig: `state` wrapped for
-    `zero_optimization.offload_optimizer`, and the function that turns the optimizer built over its
-    masters into the one the engine steps, after checking it may run under ZeRO
-    (megazero.zero.optimizer_check). Unchanged (and the identity) when nothing is offloaded: device
-    none, or cpu without a GPU (the in-memory path)."""
-    zero = config.zero_optimization
-    offload = zero.offload_optimizer
-
-    def checked(wrap):
-        def check_then_wrap(optimizer):
-            check_zero_optimizer(config, optimizer)
-            return wrap(optimizer)
-        return check_then_wrap
-
-    on_gpu = any(m.device.type != "cpu" for part in state.parts for m in part.masters) if offload.device != "none" \
-        else False
-    if offload.device == "none" or (offload.device == "cpu" and not on_gpu):
-        return state, checked(lambda optimizer: optimizer)
-    offloaded = OffloadedState(state, offload.device, offload.nvme_path, zero.sub_group_size, offload.buffer_count,
-                               offload.pin_memory, config.aio.model_dump(), group)
-    return offloaded, checked(lambda optimizer: OffloadedOptimizer(optimizer, offloaded))

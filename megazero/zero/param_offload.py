@@ -49,6 +49,7 @@ buffer. On the CPU the staging is the identity.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import OrderedDict
 
@@ -56,7 +57,7 @@ import torch
 import torch.distributed as dist
 
 from megazero.zero.staging import PartitionStaging
-from megazero.zero.swap import SwapDirectory, SwapFiles
+from megazero.zero.swap import SwapDirectory, SwapFiles, agreed_run_id
 
 
 def _resident(t: torch.Tensor) -> bool:
@@ -232,6 +233,15 @@ class ParamSwapper:
         if request is not None:
             self.files.wait(request)
 
+    @contextlib.contextmanager
+    def loaded(self, shard):
+        """`shard`'s partition in memory inside (load() on entry, done() on exit)."""
+        self.load(shard)
+        try:
+            yield
+        finally:
+            self.done(shard)
+
     def hold_for_overwrite(self, shard) -> None:
         """`shard`'s partition has memory (contents unspecified unless cached): it is about to be
         overwritten whole."""
@@ -346,20 +356,19 @@ def compute_staging(model: torch.nn.Module, pin: bool) -> PartitionStaging:
 
 
 def make_param_swapper(config, model: torch.nn.Module, group=None) -> ParamSwapper | None:
-    """The ParamSwapper for `zero_optimization.offload_param` of an EngineConfig: one for device
-    nvme; for device cpu on a GPU (host memory); None for device none, or cpu with a model on the
-    CPU (the in-memory path itself)."""
+    """The ParamSwapper for `zero_optimization.offload_param` of an EngineConfig at stage 3: one for
+    device nvme; for device cpu on a GPU (host memory); None for device none, or cpu with a model
+    on the CPU (the in-memory path itself)."""
     offload = config.zero_optimization.offload_param
-    if offload.device == "none" or config.zero_optimization.stage != 3:
+    if offload.device == "none":
         return None
     staging = compute_staging(model, offload.pin_memory)
     if offload.device == "cpu":
         return None if staging.identity else ParamSwapper(None, offload.max_in_cpu, offload.buffer_count,
                                                           offload.buffer_size, staging)
     from megazero.ops.aio import AsyncIO
-    from megazero.zero.offload import _agreed_run_id
 
     rank = dist.get_rank() if dist.is_initialized() else 0
-    files = SwapFiles(SwapDirectory(offload.nvme_path, _agreed_run_id(group), rank),
+    files = SwapFiles(SwapDirectory(offload.nvme_path, agreed_run_id(group), rank),
                       AsyncIO(**config.aio.model_dump()))
     return ParamSwapper(files, offload.max_in_cpu, offload.buffer_count, offload.buffer_size, staging)

@@ -14,6 +14,8 @@ rank casts its masters into its chunks (16-bit) and the buckets are all-gathered
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -51,10 +53,11 @@ class _GroupPartition:
         self.aliased = dtype == torch.float32
         self.master_deferred = False  # (stage 3's swapped shards may defer their masters; these never)
         if self.aliased:
+            self.master_flat = None
             self.masters = [torch.nn.Parameter(chunk) for chunk in own]
         else:
-            flat_master = torch.cat(own).float()
-            self.masters = [torch.nn.Parameter(view) for view in self.layout.split_partition(flat_master)]
+            self.master_flat = torch.cat(own).float()
+            self.masters = [torch.nn.Parameter(view) for view in self.layout.split_partition(self.master_flat)]
         self.stage = stage
         self.grads = BucketedGradients(self.layout, self._reduce_scatter, self.world_size, overlap,
                                        staged=stage == 2, device=device, inflight=inflight, divisor=grad_divisor,
@@ -89,6 +92,21 @@ class _GroupPartition:
         return {id(m): self.flat_params[slice(*self.layout.rank_range(b, self.rank))]
                 for b, m in zip(self.layout.buckets, self.masters)}
 
+    def master_values(self, index: int) -> torch.Tensor:
+        """Master `index` itself (never deferred)."""
+        return self.masters[index].data
+
+    def partition_loaded(self) -> contextlib.nullcontext:
+        """Nothing to load: the flat parameters never leave memory."""
+        return contextlib.nullcontext()
+
+    def write_master(self, index: int, first: bool, last: bool) -> None:
+        """Cast master `index` into this rank's chunk of the flat parameters (update_model then
+        all-gathers them with copies_written)."""
+        with torch.no_grad():
+            self.flat_params[slice(*self.layout.rank_range(self.layout.buckets[index], self.rank))].copy_(
+                self.masters[index])
+
     def gather_params(self, copies_written: bool = False) -> list[Handle]:
         """Cast the master chunks into the flat parameters (unless the optimizer already wrote them)
         and start the all-gather of every bucket."""
@@ -114,6 +132,7 @@ class PartitionedState(MasterPartitions, PartitionCheckpoint):
     checkpoints in the flat_partitions format)."""
 
     params_partitioned = False
+    params_in_swap = False  # (the parameters never leave memory)
 
     def __init__(self, groups: list[list[torch.nn.Parameter]], group, bucket_numel: int, overlap: bool,
                  stage: int, isolate: list[torch.nn.Parameter] = (), grad_divisor: int | None = None,
@@ -135,6 +154,12 @@ class PartitionedState(MasterPartitions, PartitionCheckpoint):
         self.parts = [_GroupPartition(params, gi, stage, group, bucket_numel, overlap, inflight, grad_divisor,
                                      averaging, gathering)
                       for params, gi in plan if params]
+
+    @property
+    def gradients_partitioned(self) -> bool:
+        """Stage 2: each part's reduced gradients are a partition of their own; stage 1: views of
+        the full gradient buffer."""
+        return self.stage == 2
 
     @property
     def bucket_count(self) -> int:

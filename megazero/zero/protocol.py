@@ -6,10 +6,12 @@ state, and only through the members below, to reduce, measure, scale and write b
 and weights. `megazero.checkpoint` writes and reads a state through the same members, so it never
 branches on the ZeRO stage nor reads a state's internals:
 
-- Training: `optimizer_groups` once; per micro-step `begin_micro_step` / `after_backward`; at the
-  accumulation boundary `reduce_gradients`, (`sync_grads`), `grad_norm` (clip and overflow),
-  `scale_gradients`, `attach_grads`, optimizer.step(), `detach_grads`, `update_model`,
-  `start_window`.
+- Training: `optimizer_groups` and `optimizer_to_step` once; per micro-step `begin_micro_step`
+  / `after_backward`; at the accumulation boundary `reduce_gradients`, (`sync_grads`),
+  `grad_norm` (clip and overflow), `scale_gradients`, `attach_grads`, optimizer.step(),
+  `detach_grads`, `update_model`, `start_window`.
+- Wrappers (optimizer offload) wrap a `PartitionedMasters` state, whose masters are cut into
+  `MasterPart`s, and use only the members those two declare.
 - Checkpoint, same layout: the state's own file. `state_partitioned` says whether every data-
   parallel rank writes its own (`zero_pp_rank_{D}_mp_rank_*_optim_states.pt`) or data-parallel
   rank 0 writes one for all (`mp_rank_*_optim_states.pt`); `state_dict` is what goes in it,
@@ -79,9 +81,8 @@ def saved_format(saved: dict, per_rank: bool) -> str:
 def export_parameter_states(saved: list[dict], module: dict[str, torch.Tensor],
                             per_rank: bool) -> ExportedParameterStates:
     """Whole per-parameter states from the state files of one (tensor rank, pipeline stage), by the
-    exporter of their format (see Exporter for the arguments). ValueError names an unknown format."""
-    import megazero.zero  # noqa: F401  (the built-in states register their formats on import)
-
+    exporter of their format (see Exporter for the arguments). ValueError names an unknown format.
+    The built-in states have registered theirs: importing this module imports megazero.zero first."""
     name = saved_format(saved[0], per_rank)
     if name not in _EXPORTERS:
         raise ValueError(f"state files of checkpoint format {name!r}, which no data-parallel state registered "
@@ -111,6 +112,10 @@ class DataParallelState(Protocol):
     # True: parameters are not the same whole tensors on every data-parallel rank (ZeRO-3: empty tensors
     # outside use; expert parallelism: each EP rank's own experts), so the model file holds none of them
     params_partitioned: bool
+    # True: every backward reduce-scatters, each rank keeping its own partition of the reduced gradients
+    # (stages 2, 3), so gradients cannot accumulate unreduced (no_sync); for a PartitionedMasters state,
+    # each part's grad_partition, which a wrapper may move to swap files through grad_sink
+    gradients_partitioned: bool
 
     # ---- training ----------------------------------------------------------------------------
     @property
@@ -119,6 +124,10 @@ class DataParallelState(Protocol):
 
     def optimizer_groups(self, groups: list[dict]) -> list[dict]:
         """The optimizer's param groups (hyperparameters kept), over this rank's fp32 masters."""
+
+    def optimizer_to_step(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer the engine steps, given the one built over optimizer_groups(): that one
+        itself, or a wrapper that steps it (optimizer offload: sub-group by sub-group)."""
 
     def begin_micro_step(self, boundary: bool) -> None:
         """Before a backward; `boundary`: this micro-step ends the accumulation window."""
@@ -202,6 +211,54 @@ class DataParallelState(Protocol):
         taken from `param_groups` (one dict per optimizer param group, without "params")."""
 
 
-__all__ = ["DataParallelState", "ExportedParameterStates", "Exporter", "FLAT_PARTITIONS_FORMAT",
-           "REPLICATED_FORMAT", "export_parameter_states", "optimizer_state", "register_checkpoint_format",
-           "saved_format"]
+@runtime_checkable
+class MasterPart(Protocol):
+    """One piece of a state that partitions its masters (stages 1-3): this rank's fp32 master
+    chunks of one flat layout (megazero.zero.layout.FlatLayout), one per layout bucket, and their
+    reduced gradients. Everything a wrapper (optimizer offload, gradient swap) may read or set;
+    a wrapper never reaches further into a part."""
+
+    group_index: int  # the optimizer param group of its masters
+    rank: int  # this rank in the data-parallel group
+    layout: Any  # the FlatLayout its masters and gradients follow
+    masters: list[torch.nn.Parameter]  # this rank's fp32 chunk of each layout bucket
+    grad_views: list[torch.Tensor]  # their reduced fp32 gradients
+    grad_partition: torch.Tensor | None  # the storage of grad_views (None: they view a full buffer)
+    grad_sink: Any  # when set, reduced chunks are handed to it (megazero.zero.grad_swap), not added here
+    aliased: bool  # the masters are the fp32 model's own storage (nothing to cast back)
+    # the flat fp32 storage the masters view (None when aliased); a wrapper that moves the masters
+    # (to host memory, out to a swap file) sets it with them
+    master_flat: torch.Tensor | None
+    # the masters are not made yet: their values are the parameter partition's (master_values), in a
+    # swap file (stage 3 parameter offload); a wrapper clears it once it has written them elsewhere
+    master_deferred: bool
+
+    def master_values(self, index: int) -> torch.Tensor:
+        """The values of master `index`: itself, or when deferred the parameter chunk holding them
+        (inside partition_loaded())."""
+
+    def partition_loaded(self) -> AbstractContextManager:
+        """Context manager: the 16-bit parameter partition is in memory inside (parameter offload
+        reads it from its swap file; a no-op where it never leaves memory)."""
+
+    def write_master(self, index: int, first: bool, last: bool) -> None:
+        """Cast master `index` into this rank's chunk of the 16-bit parameters, as update_model would
+        (`first`/`last`: the first/last of this part's masters written in this pass: a swapped
+        partition is held from the first and written back after the last)."""
+
+
+@runtime_checkable
+class PartitionedMasters(DataParallelState, Protocol):
+    """A DataParallelState whose masters and reduced gradients are cut into MasterParts (ZeRO stages
+    1-3): what optimizer offload (megazero.zero.offload) wraps, asking only these members."""
+
+    parts: list[MasterPart]  # in optimizer order: the masters of all parts follow one another
+    group: Any  # the data-parallel process group
+    # True: parameter partitions live in swap files (stage 3 parameter offload): masters are cast
+    # into them part by part (write_master), never all resident at once
+    params_in_swap: bool
+
+
+__all__ = ["DataParallelState", "MasterPart", "PartitionedMasters", "ExportedParameterStates", "Exporter",
+           "FLAT_PARTITIONS_FORMAT", "REPLICATED_FORMAT", "export_parameter_states", "optimizer_state",
+           "register_checkpoint_format", "saved_format"]

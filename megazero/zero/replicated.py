@@ -53,6 +53,7 @@ class ReplicatedState:
     """fp32 gradient buffer all-reduced in buckets; fp32 master weights (copies for 16-bit models)."""
 
     stage = 0
+    gradients_partitioned = False
     checkpoint_format = REPLICATED_FORMAT
     state_partitioned = False
     params_partitioned = False
@@ -80,6 +81,10 @@ class ReplicatedState:
     def optimizer_groups(self, groups: list[dict]) -> list[dict]:
         """The optimizer's param groups, over the fp32 master weights."""
         return [{**g, "params": [self.master.master_of(p) for p in g["params"]]} for g in groups]
+
+    def optimizer_to_step(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """`optimizer` itself: it steps the masters where they are."""
+        return optimizer
 
     @property
     def bucket_count(self) -> int:

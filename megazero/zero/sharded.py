@@ -24,6 +24,8 @@ reads the partition back before gathering it, and it is dropped once gathered (w
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -104,6 +106,25 @@ class _Shard:
                 return
             self.master_flat = self.shard.clone()
             self.masters = [torch.nn.Parameter(v) for v in self.layout.split_partition(self.master_flat)]
+
+    def master_values(self, index: int) -> torch.Tensor:
+        """Master `index`, or when deferred the parameter chunk with its values (partition_loaded)."""
+        return self.shard_views[index] if self.master_deferred else self.masters[index].data
+
+    def partition_loaded(self) -> contextlib.AbstractContextManager:
+        """The parameter partition in memory inside (read from its swap file under param offload)."""
+        return self.swap.loaded(self) if self.swap is not None else contextlib.nullcontext()
+
+    def write_master(self, index: int, first: bool, last: bool) -> None:
+        """Cast master `index` into the parameter partition; a swapped partition is held for the
+        overwrite from the `first` and written back after the `last` (nothing is read for it)."""
+        if first and self.swap is not None:
+            self.swap.hold_for_overwrite(self)
+        with torch.no_grad():
+            view = self.shard_views[index]
+            view.copy_(self.masters[index].detach().view_as(view))
+        if last and self.swap is not None:
+            self.swap.write_back(self)
 
     def _copy_own(self, full: torch.Tensor, views: list[torch.Tensor] | None = None) -> None:
         for chunk, own in zip(self.layout.own_chunks(full, self.rank), views or self.shard_views):
@@ -193,6 +214,7 @@ class ShardedState(MasterPartitions, PartitionCheckpoint):
 
     stage = 3
     params_partitioned = True
+    gradients_partitioned = True  # each shard's reduced gradients are a partition of its own
 
     def __init__(self, model: torch.nn.Module, groups: list[list[torch.nn.Parameter]], group,
                  persistence_threshold: int, prefetch_numel: int = 50_000_000,
@@ -232,6 +254,7 @@ class ShardedState(MasterPartitions, PartitionCheckpoint):
                 for p in shard.layout.params:
                     p._megazero_unit, p._megazero_shard = unit, shard
         self.units = self.fetcher.units
+        self.params_in_swap = any(s.swap is not None for u in self.units for s in u.shards)
         # optimizer state index i <-> self.parts[i]: ordered by param group, then unit
         self.parts = sorted((s for u in self.units for s in u.shards), key=lambda s: s.group_index)
         # backward produces the gradients of the units roughly in reverse module order (the last

@@ -32,6 +32,7 @@ import warnings
 import weakref
 
 import torch
+import torch.distributed as dist
 
 HEADER_BYTES = 4096
 MAGIC = b"MEGAZERO-SWAP-1\n"
@@ -42,6 +43,16 @@ OWNER_FILE = "owner.json"
 def new_run_id() -> str:
     """A run id no other run has: time and a random suffix."""
     return time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:12]
+
+
+def agreed_run_id(group=None) -> str:
+    """One run id for the whole data-parallel `group` (its rank 0's), so that every rank's swap
+    directory of one run carries the same id."""
+    run_id = [new_run_id()]
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        src = dist.get_global_rank(group, 0) if group is not None else 0
+        dist.broadcast_object_list(run_id, src=src, group=group)
+    return run_id[0]
 
 
 def _pid_alive(pid: int) -> bool:

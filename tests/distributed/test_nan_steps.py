@@ -64,3 +64,30 @@ def test_fp16_overflow_is_skipped_but_not_nan(pools, token_dataset_prefix, tmp_p
     assert result["skipped"] == 2 and result["nan"] == 0
     assert _scalars(str(tmp_path / "run"), "nan-iterations") == [(2, 0.0), (4, 0.0), (6, 0.0)]
     assert _scalars(str(tmp_path / "run"), "skipped-iterations") == [(2, 1.0), (4, 0.0), (6, 1.0)]
+
+
+def _nan_count_across_a_resume(prefix: str, save_dir: str) -> dict:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        engine, loader = build_engine(base_config(), prefix)
+        data = iter(loader)
+        for step in range(3):
+            loss = engine(**next(data))
+            engine.backward(loss * float("nan") if step == 1 else loss)
+            engine.step()
+        engine.save_checkpoint(save_dir)
+        resumed, loader = build_engine(base_config(), prefix)
+        resumed.load_checkpoint(save_dir)
+        counts = {"loaded": (resumed.global_steps, resumed.skipped_steps, resumed.nan_steps)}
+        loss = resumed(**next(iter(loader)))
+        resumed.backward(loss * float("nan"))
+        resumed.step()
+    return {**counts, "after": (resumed.global_steps, resumed.skipped_steps, resumed.nan_steps), "out": out.getvalue()}
+
+
+def test_a_resumed_run_keeps_counting_nan_steps(pools, token_dataset_prefix, tmp_path):
+    result = pools(1).run(_nan_count_across_a_resume, token_dataset_prefix, str(tmp_path / "ckpt"))[0]
+    assert result["loaded"] == (3, 1, 1)
+    assert result["after"] == (4, 2, 2)
+    assert "step 4 skipped: the gradient norm is nan under float32 without dynamic loss scaling (2 such steps so " \
+           "far)" in result["out"]

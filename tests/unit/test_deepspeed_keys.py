@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 
-from megazero.config import ConfigError, parse_config
+from megazero.config import ConfigError, EngineConfig, parse_config
 from megazero.config.deepspeed_keys import (
     IMPLEMENTED,
     NO_EFFECT,
@@ -58,7 +58,7 @@ def _error(raw: dict) -> str:
 def test_every_deepspeed_key_has_a_class():
     keys = _deepspeed_keys()
     assert len(keys) > 300 and "zero_optimization.allgather_bucket_size" in keys
-    assert [k for k in keys if classify(k) is None] == []
+    assert [k for k in keys if classify(k, EngineConfig) is None] == []
 
 
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason="DeepSpeed is not installed (the bench extra)")
@@ -73,7 +73,7 @@ def test_the_committed_list_is_the_installed_deepspeeds():
 
 def test_the_classes_are_all_used_and_the_rules_name_deepspeed_keys():
     committed = set(committed_keys()["keys"]) | set(committed_keys()["removed"])
-    assert {classify(k) for k in committed} == {IMPLEMENTED, NO_EFFECT, REFUSED}
+    assert {classify(k, EngineConfig) for k in committed} == {IMPLEMENTED, NO_EFFECT, REFUSED}
     assert [path for path in RULES if path not in committed] == []
 
 

@@ -10,11 +10,15 @@ import re
 import torch
 import torch.distributed as dist
 
-from megazero.config import ZeroConfig
+from megazero.config import validate_config
 from megazero.zero import PartitionedState, ReplicatedState, ShardedState, build_data_parallel_state
 from megazero.zero.protocol import DataParallelState, export_parameter_states
 
-CHECKPOINT = pathlib.Path(__file__).resolve().parents[2] / "megazero" / "checkpoint"
+MEGAZERO = pathlib.Path(__file__).resolve().parents[2] / "megazero"
+CHECKPOINT = MEGAZERO / "checkpoint"
+# what wraps or drives a state: it may use the protocol's members only
+WRAPPERS = ["zero/offload.py", "zero/param_offload.py", "zero/expert_parallel.py"]
+ENGINE = ["engine.py", "engine_api.py", "__init__.py"]
 KINDS = {0: ReplicatedState, 1: PartitionedState, 2: PartitionedState, 3: ShardedState}
 
 
@@ -34,7 +38,8 @@ def _build(stage: int, seed: int):
     torch.manual_seed(seed)
     model = _Tiny()
     params = list(model.parameters())
-    config = ZeroConfig(stage=stage, reduce_bucket_size=40, stage3_param_persistence_threshold=0)
+    config = validate_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
+        "stage": stage, "reduce_bucket_size": 40, "stage3_param_persistence_threshold": 0}})
     state = build_data_parallel_state(config, model, [params], None)
     optimizer = torch.optim.Adam(state.optimizer_groups([{"params": params, "lr": 0.01}]))
     names = {id(p): name for name, p in model.named_parameters()}
@@ -123,3 +128,28 @@ def test_checkpoint_code_neither_branches_on_the_stage_nor_reads_zero_internals(
         for pattern in (stage_branch, internals, zero_import):
             found += [f"{path.name}: {m.group(0)!r}" for m in pattern.finditer(text)]
     assert found == [], found
+
+
+def _state_probes(text: str, wrapper: bool) -> list[str]:
+    """Where `text` discovers a state's capabilities instead of asking the protocol: getattr/hasattr
+    on a state or its parts, isinstance on a concrete state, a branch on a state's stage (metadata
+    only); in a wrapper, any branch on a stage number."""
+    patterns = [r"\b(getattr|hasattr)\(\s*(self\.)?(dp|dp_state|inner|state|part|shard|s)\b",
+                r"isinstance\([^)]*\b(ReplicatedState|PartitionedState|ShardedState|OffloadedState|"
+                r"ExpertParallelState|_Shard|_GroupPartition)\b",
+                r"\b(dp|dp_state|inner|state)\.stage\s*(==|!=|>=|<=|<|>|in\b)"]
+    if wrapper:
+        patterns.append(r"\bstage\s*(==|!=|>=|<=|<|>|in\b)")
+    return [m.group(0) for pattern in patterns for m in re.finditer(pattern, text)]
+
+
+def test_wrappers_and_the_engine_ask_the_protocol_not_the_state():
+    found = {name: _state_probes((MEGAZERO / name).read_text(), name in WRAPPERS) for name in WRAPPERS + ENGINE}
+    assert {name: hits for name, hits in found.items() if hits} == {}
+
+
+def test_the_probe_check_sees_the_probes_it_forbids():
+    assert _state_probes('x = any(getattr(part, "swap", None) for part in inner.parts)', True) == ["getattr(part"]
+    assert _state_probes("ok = isinstance(inner, (PartitionedState, ShardedState)) and inner.stage in (2, 3)",
+                         True) == ["isinstance(inner, (PartitionedState, ShardedState", "inner.stage in", "stage in"]
+    assert _state_probes("if hasattr(part, 'master_flat'):", False) == ["hasattr(part"]

@@ -1,0 +1,121 @@
+"""The engine's pipelined train and eval batches: this stage's part of the 1F1B schedule
+(interleaved when the module holds several model chunks, megazero.pipeline.ModelChunks).
+
+Every stage reads the same micro-batches; the first virtual stage feeds the inputs, later ones
+take HIDDEN_STATES from their predecessor (megazero.model_contract). The runner knows the engine
+only through the callables it is given: the forward, the backward of one output, the scaled loss
+and the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megazero.model_contract import HIDDEN_STATES
+from megazero.moe.layer import attached_aux_loss
+from megazero.pipeline.chunks import MODEL_CHUNK, model_chunks
+from megazero.pipeline.interleaved import interleaved_one_f_one_b
+from megazero.pipeline.p2p import StageLinks, input_shapes
+from megazero.pipeline.schedule import one_f_one_b
+from megazero.precision import cast_floating
+from megazero.step_state import StepState
+
+
+@dataclass
+class EngineCalls:
+    """What the runner asks of the engine."""
+
+    forward: Callable[..., torch.Tensor]  # the engine's forward (dropout streams, FLOPs profile)
+    backward: Callable[[torch.Tensor, torch.Tensor | None], None]  # backward of an output (and its gradient)
+    scaled_loss: Callable[[torch.Tensor, int], torch.Tensor]  # the loss as backward takes it, per accumulation
+    step: Callable[[], None]  # engine.step()
+    device: Callable[[], torch.device]
+
+
+class PipelineRunner:
+    """Runs batches through this stage's schedule for the engine (one per engine)."""
+
+    def __init__(self, grid, module: torch.nn.Module, config, timers, steps: StepState, calls: EngineCalls):
+        self.grid = grid
+        self.module = module
+        self.config = config
+        self.timers = timers
+        self.steps = steps
+        self.calls = calls
+        self.shapes: dict | None = {}  # the p2p messages' shapes, kept across steps (None: no cache)
+
+    def train_batch(self, batches: list) -> torch.Tensor:
+        """One optimizer step over `batches` (gradient_accumulation_steps micro-batches): the last
+        stage's mean loss, the same on every stage."""
+        micro = len(batches)
+
+        def backward_step(chunk: int, m: int, output: torch.Tensor, output_grad: torch.Tensor | None) -> None:
+            if output_grad is None:  # the last virtual stage's output is the loss
+                output = self.calls.scaled_loss(output, micro)
+            self.calls.backward(output, output_grad)
+            # one micro-step per micro-batch, ended by its last backward here (chunk 0's); the
+            # boundary backward, the stage's last, is chunk 0's of the last micro-batch
+            if chunk == 0 and m < micro - 1:
+                self.calls.step()
+
+        aux: list[torch.Tensor] = []
+        losses = self.run(batches, backward_step, aux)
+        self.calls.step()  # the optimizer step, once this stage has sent its last input gradient
+        mean = torch.stack(losses).mean() if losses else torch.zeros((), dtype=torch.float32,
+                                                                     device=self.calls.device())
+        if aux:  # MoE auxiliary losses of the model chunks without the loss, as the single model's loss has them
+            mean = mean + torch.stack(aux).sum() / micro
+        dist.all_reduce(mean, group=self.grid.pp_group)  # the last stage's loss (plus those), the same on every stage
+        return mean.cpu()
+
+    def eval_batch(self, batch) -> torch.Tensor:
+        """The last stage's loss of one batch run forward through every stage, on every rank."""
+        losses = self.run([batch], None)
+        loss = losses[0] if losses else torch.zeros((), dtype=torch.float32, device=self.calls.device())
+        dist.broadcast(loss, src=self.grid.pp_ranks[-1], group=self.grid.pp_group)
+        return loss
+
+    def run(self, batches: list, backward_step, aux: list | None = None) -> list[torch.Tensor]:
+        """Run `batches` through this stage's 1F1B schedule (interleaved with several model chunks);
+        backward_step None: forward only (evaluation). Returns the last stage's losses (fp32); `aux`
+        gets the value of the MoE auxiliary losses each training forward of a chunk without the
+        loss attached to its output (megazero.moe.attached_aux_loss)."""
+        grid = self.grid
+        chunks = model_chunks(self.module)
+        num_chunks = len(chunks)
+        # messages of shapes both sides have seen for these input shapes go without their headers
+        links = StageLinks(grid.pp_ranks, grid.pp_rank, grid.pp_group, self.config.compute_dtype, self.calls.device(),
+                           self.timers, ring=num_chunks > 1, shapes=self.shapes,
+                           shape_key=input_shapes(batches), transport=self.config.pipeline.p2p_transport)
+        losses = []
+        auto_cast = self.config.fp16.enabled and self.config.fp16.auto_cast  # the stages' inputs, as forward's
+
+        def forward_step(chunk: int, m: int, received: torch.Tensor | None) -> torch.Tensor:
+            batch = cast_floating(batches[m], torch.float16) if auto_cast else batches[m]
+            kwargs = dict(batch) if received is None else {**batch, HIDDEN_STATES: received}
+            if num_chunks > 1:
+                kwargs[MODEL_CHUNK] = chunk
+            self.steps.pipeline_micro = m
+            try:
+                output = self.calls.forward(**kwargs)
+            finally:
+                self.steps.pipeline_micro = None
+            if grid.is_last_stage and chunk == num_chunks - 1:
+                losses.append(output.detach().float())
+            elif aux is not None and torch.is_tensor(value := attached_aux_loss(chunks[chunk])):
+                aux.append(value.float())
+            return output
+
+        stage, stages, micro = grid.pp_rank, grid.pipeline_model_parallel_size, len(batches)
+        forward_only = backward_step is None
+        if num_chunks > 1:
+            interleaved_one_f_one_b(micro, stage, stages, num_chunks, links, forward_step, backward_step,
+                                    forward_only)
+        else:
+            one_f_one_b(micro, stage, stages, links, lambda m, x: forward_step(0, m, x),
+                        None if forward_only else lambda m, y, g: backward_step(0, m, y, g), forward_only)
+        return losses
