@@ -15,7 +15,7 @@ BERT_STAMP := $(BERT_PREFIX)_train_text_sentence.idx
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install data data-bert pretrain-gpt2 pretrain-llama pretrain-bert test test-fast lint bench docs check-cuda check-gpu gpu-wheels clean
+.PHONY: install data data-bert pretrain-gpt2 pretrain-llama pretrain-bert test test-fast test-torch-min lint bench docs check-cuda check-gpu gpu-wheels clean
 
 install: $(INSTALL_STAMP)
 
@@ -71,58 +71,59 @@ lint: install
 # Each benchmark writes benchmarks/results/<name>.json (committed: the latest run); docs/benchmarks.md
 # is generated from them at the end (`make docs`).
 bench: install data $(BENCH_STAMP)
-	DS_ACCELERATOR=cpu $(BIN)/python benchmarks/bench_zero.py $(ARGS)
-	$(BIN)/python benchmarks/bench_collectives.py
-	$(BIN)/python benchmarks/bench_parallel.py
-	$(BIN)/python benchmarks/bench_activations.py
-	DS_ACCELERATOR=cpu $(BIN)/python benchmarks/bench_cpu_adam.py
-	$(BIN)/python benchmarks/bench_watchdog.py
-	$(BIN)/python benchmarks/bench_moe.py
-	$(BIN)/python benchmarks/bench_onebit.py
+	DS_ACCELERATOR=cpu $(BIN)/python -m benchmarks.bench_zero $(ARGS)
+	$(BIN)/python -m benchmarks.bench_collectives
+	$(BIN)/python -m benchmarks.bench_parallel
+	$(BIN)/python -m benchmarks.bench_activations
+	DS_ACCELERATOR=cpu $(BIN)/python -m benchmarks.bench_cpu_adam
+	$(BIN)/python -m benchmarks.bench_watchdog
+	$(BIN)/python -m benchmarks.bench_moe
+	$(BIN)/python -m benchmarks.bench_onebit
 	$(BIN)/python -m benchmarks.report
 
 # docs/benchmarks.md from benchmarks/results/*.json (tests/unit/test_benchmark_report.py checks it is current)
 docs: install
 	$(BIN)/python -m benchmarks.report
 
-# Compile the CUDA ops against a CUDA build of torch in a separate venv (not part of `make test`);
-# on a machine with a GPU it then runs their tests and benchmarks/gpu_ops.py.
-CUDA_TORCH_SPEC ?= torch==2.14.1
+# The oldest torch megazero supports (megazero/compat.py), which the lent GPU machines' image has
+# (ci/gpu_image.txt): its own venv, a CUDA build from PyPI (it runs on a CPU too). `make test-torch-min`
+# runs the fast suite under it; `make check-cuda` compiles the CUDA ops against it.
+TORCH_MIN_SPEC ?= torch==2.11.0
+MIN_VENV := .venv-torch-min
+MIN_STAMP := $(MIN_VENV)/.megazero-installed
 CUDA_ARCH ?= 9.0
 # the toolkit directory (bin/nvcc, include, lib64); the first /usr/local/cuda-* by default
 CUDA_HOME ?= $(firstword $(wildcard /usr/local/cuda-*) /usr/local/cuda)
-# a directory or page of wheels to search besides pip's configured indexes (none by default)
-CUDA_FIND_LINKS ?=
-check-cuda:
-	@test -x .venv-cuda/bin/python || $(PYTHON) -m venv .venv-cuda
-	@.venv-cuda/bin/python -c "import torch; assert torch.version.cuda" 2>/dev/null || \
-		.venv-cuda/bin/pip install -q --disable-pip-version-check $(if $(CUDA_FIND_LINKS),--find-links "$(CUDA_FIND_LINKS)") "$(CUDA_TORCH_SPEC)"
-	.venv-cuda/bin/pip install -q --disable-pip-version-check numpy ninja pytest sentencepiece safetensors
-	CUDA_HOME=$(CUDA_HOME) TORCH_CUDA_ARCH_LIST=$(CUDA_ARCH) MEGAZERO_OPS_STRICT=1 .venv-cuda/bin/python -m megazero.ops build
-	@if .venv-cuda/bin/python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then \
-		.venv-cuda/bin/python -m pytest -q -m cuda tests/ops tests/unit/test_peak_flops.py && .venv-cuda/bin/python benchmarks/gpu_ops.py; \
+
+# megazero's own dependencies (pyproject.toml, pinned by requirements.txt), pytest and ninja
+$(MIN_STAMP): pyproject.toml requirements.txt
+	@test -x $(MIN_VENV)/bin/python || $(PYTHON) -m venv $(MIN_VENV)
+	$(MIN_VENV)/bin/pip install -q --disable-pip-version-check "$(TORCH_MIN_SPEC)"
+	$(MIN_VENV)/bin/pip install -q --disable-pip-version-check -c requirements.txt -e ".[dev,hf]" ninja
+	@touch $@
+
+test-torch-min: $(MIN_STAMP) data
+	$(MIN_VENV)/bin/python -c "import torch; print('torch', torch.__version__)"
+	$(MIN_VENV)/bin/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+check-cuda: $(MIN_STAMP)
+	CUDA_HOME=$(CUDA_HOME) TORCH_CUDA_ARCH_LIST=$(CUDA_ARCH) MEGAZERO_OPS_STRICT=1 $(MIN_VENV)/bin/python -m megazero.ops build
+	@if $(MIN_VENV)/bin/python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then \
+		$(MIN_VENV)/bin/python -m pytest -q -m cuda tests/ops tests/unit/test_peak_flops.py && \
+		$(MIN_VENV)/bin/python -m benchmarks.gpu_ops; \
 	else echo "no GPU here: compiled only"; fi
 
-# The prepared GPU check (scripts/check_gpu.py): builds the ops, runs the `cuda` tests, engine steps
-# on the GPU (fused kernels on/off; ZeRO 0-3 over NCCL against gloo), benchmarks/gpu_ops.py and
-# GPT-2 124M's tokens/s and MFU, in at most 8 minutes on one GPU, then prints a pass/fail table.
-# It installs nothing (a GPU machine often reaches no package index): GPU_PYTHON is a python with
-# a CUDA torch, by default .venv-cuda's (made by check-cuda) where there is one, else python3.
-GPU_PYTHON ?= $(if $(wildcard .venv-cuda/bin/python),.venv-cuda/bin/python,python3)
-# The packages megazero needs that a lent GPU machine's image lacks (pydantic and what it needs), as
-# wheels for its Python (3.12) in .whl/; `make gpu-wheels` here, where pip reaches an index, then
-# carry .whl/ to the GPU machine: check-gpu installs them there when pydantic is missing.
-GPU_WHEELS := pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
-GPU_WHEEL_PLATFORMS := $(foreach n,28 27 17,--platform manylinux_2_$(n)_x86_64) --platform manylinux2014_x86_64
-gpu-wheels:
-	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-		$(GPU_WHEEL_PLATFORMS) -d .whl $(GPU_WHEELS)
+# What a lent GPU machine lacks of megazero's dependencies (scripts/gpu_env.py: pyproject.toml's, less
+# the image's packages), as wheels for its Python in .whl/ (ci/gpu_wheels.txt lists them). Carry .whl/
+# there and run the one command `python3 scripts/check_gpu.py` (docs/testing.md): it installs them.
+gpu-wheels: install
+	$(BIN)/python scripts/gpu_env.py download --dest .whl
 
+# The prepared GPU check (scripts/check_gpu.py): builds the ops, runs the `cuda` tests, engine steps on
+# the GPU, benchmarks/gpu_ops.py and GPT-2 124M's MFU in a 300 s budget, then prints a pass/fail table.
+GPU_PYTHON ?= python3
 check-gpu:
-	@if ! $(GPU_PYTHON) -c "import pydantic" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then \
-		$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-			--target /tmp/megazero-site .whl/*.whl; fi
-	PYTHONPATH=/tmp/megazero-site:$$PYTHONPATH PYTHONUNBUFFERED=1 $(GPU_PYTHON) scripts/check_gpu.py $(ARGS)
+	$(GPU_PYTHON) scripts/check_gpu.py $(ARGS)
 
 # benchmarks/results/ is committed (docs/benchmarks.md is generated from it): clean leaves it
 clean:

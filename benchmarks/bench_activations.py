@@ -17,13 +17,9 @@ import time
 
 import torch
 
+from benchmarks.record import write_result
 from megazero.profiling.memory import ActivationMeter
 from models.gpt import GPT, GPTConfig
-
-try:
-    from benchmarks.record import write_result
-except ModuleNotFoundError:  # run as a script: its directory is on sys.path
-    from record import write_result
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

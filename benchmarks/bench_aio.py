@@ -25,12 +25,8 @@ import time
 
 import torch
 
+from benchmarks.record import write_result
 from megazero.ops.aio import AsyncIO, aio_op, aligned_empty
-
-try:
-    from benchmarks.record import write_result
-except ModuleNotFoundError:  # run as a script: its directory is on sys.path
-    from record import write_result
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 1 << 20

@@ -21,12 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from benchmarks.record import write_result
 from megazero.zero.collectives import all_gather_chunks, reduce_scatter_chunks
-
-try:
-    from benchmarks.record import write_result
-except ModuleNotFoundError:  # run as a script: its directory is on sys.path
-    from record import write_result
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

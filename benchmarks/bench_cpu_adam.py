@@ -28,12 +28,8 @@ import time
 
 import torch
 
+from benchmarks.record import write_result
 from megazero.ops.cpu_optimizers import FusedCPUAdam, cpu_optimizers_op, grad_norm_squared
-
-try:
-    from benchmarks.record import write_result
-except ModuleNotFoundError:  # run as a script: its directory is on sys.path
-    from record import write_result
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -28,13 +28,9 @@ import time
 import numpy as np
 import torch
 
+from benchmarks.record import write_result
 from megazero.data import DatasetFormatError, IndexedDataset, check_token_ids, write_indexed_dataset
 from megazero.numerics import loss_guard
-
-try:
-    from benchmarks.record import write_result
-except ModuleNotFoundError:  # run as a script: its directory is on sys.path
-    from record import write_result
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -28,9 +28,10 @@ import time
 
 import torch
 import torch.distributed as dist
-from bench_zero import param_groups, recipe_config, spawn_workers  # a sibling: this script's directory is on sys.path
 
 import megazero
+from benchmarks.bench_zero import param_groups, recipe_config, spawn_workers
+from benchmarks.record import write_result
 from megazero import parallel_state
 from megazero.data import GPTDataset, IndexedDataset
 from megazero.moe.comm import ALL_TO_ALL_TIMER
@@ -38,11 +39,6 @@ from megazero.training import evaluate
 from models.common import count_active_parameters, count_parameters
 from models.gpt import GPT, GPTConfig
 from models.parallelize import parallelize
-
-try:
-    from benchmarks.record import write_result
-except ModuleNotFoundError:  # run as a script: its directory is on sys.path
-    from record import write_result
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS = ("moe_ep2", "dense")  # the MoE GPT at EP=2 on DP=2; the dense GPT of its active parameters at DP=2
@@ -141,7 +137,7 @@ def equal_time(args, valid_prefix: str) -> dict:
 
 
 def worker(rank: int, world: int, port: int, args, queue) -> None:
-    from bench_zero import init_process
+    from benchmarks.bench_zero import init_process
 
     init_process(rank, world, port)
     part1 = throughput(args)

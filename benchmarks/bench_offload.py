@@ -46,24 +46,18 @@ import os
 import resource
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 
+import megazero
+from benchmarks.record import write_result
+from megazero.data import GPTDataset, IndexedDataset
+from models.gpt import GPT, GPTConfig
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-import megazero  # noqa: E402
-from megazero.data import GPTDataset, IndexedDataset  # noqa: E402
-from models.gpt import GPT, GPTConfig  # noqa: E402
-
-try:
-    from benchmarks.record import write_result
-except ModuleNotFoundError:  # run as a script: its directory is on sys.path
-    from record import write_result
 
 STAGES = (1, 2, 3)
 # --param-offload: stage 3's rows, by what is offloaded
@@ -382,7 +376,7 @@ def _param_offload(args) -> None:
         result = _param_offload_trials(args, names)
     else:
         dist.destroy_process_group()
-        from bench_zero import spawn_workers
+        from benchmarks.bench_zero import spawn_workers
 
         (result,) = spawn_workers(_param_offload_worker, (args, names), args.dp, 1)
     times = {n: result["times"][str(n)] for n in names}
@@ -406,7 +400,7 @@ def _param_offload(args) -> None:
 
 
 def _param_offload_worker(rank: int, world: int, port: int, args, names: list, queue) -> None:
-    from bench_zero import init_process
+    from benchmarks.bench_zero import init_process
 
     init_process(rank, world, port)
     result = _param_offload_trials(args, names)
@@ -513,7 +507,7 @@ def _param_memory_worker(rank: int, world: int, port: int, args, kind: tuple, qu
     steps measured: the non-persistent partitions in memory at the peak (offloaded: the swapper's
     count of partitions in memory, in pool buffers or their own), the pool's allocated buffers, the
     partitions in memory between steps, and the peak RSS of the steps."""
-    from bench_zero import init_process
+    from benchmarks.bench_zero import init_process
 
     init_process(rank, world, port)
     name, offload, under_init = kind
@@ -578,7 +572,7 @@ def _param_memory_worker(rank: int, world: int, port: int, args, kind: tuple, qu
 
 def _param_memory(args) -> None:
     """--param-memory: each kind of MEMORY_KINDS in a fresh process, one after the other (printed, json)."""
-    from bench_zero import spawn_workers
+    from benchmarks.bench_zero import spawn_workers
 
     # as benchmarks/largest_model.py: freed large buffers go back to the system, so RSS measures what is held
     os.environ.setdefault("MALLOC_ARENA_MAX", "2")
@@ -676,7 +670,7 @@ def _ds_device(args) -> tuple[str, str | None]:
 
 
 def _ds_throughput(rank: int, world: int, port: int, args, device: str, queue) -> None:
-    from bench_zero import init_process
+    from benchmarks.bench_zero import init_process
 
     init_process(rank, world, port)
     runners, errors = {}, {}
@@ -699,7 +693,7 @@ def _ds_throughput(rank: int, world: int, port: int, args, device: str, queue) -
 
 
 def _ds_memory(rank: int, world: int, port: int, args, kind: str, device: str, queue) -> None:
-    from bench_zero import init_process
+    from benchmarks.bench_zero import init_process
 
     init_process(rank, world, port)
     runner = _Runner(args, kind, device)
@@ -712,8 +706,7 @@ def _ds_memory(rank: int, world: int, port: int, args, kind: str, device: str, q
 def _deepspeed(args) -> None:
     """megazero vs DeepSpeed, ZeRO-3 + optimizer and parameter offload, DP=2 (see the docstring)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-    from bench_zero import deepspeed_version, spawn_workers
+    from benchmarks.bench_zero import deepspeed_version, spawn_workers
 
     version = deepspeed_version()
     if version is None:

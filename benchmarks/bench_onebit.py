@@ -26,17 +26,13 @@ import time
 
 import torch
 import torch.distributed as dist
-from bench_zero import init_process, spawn_workers  # a sibling: this script's directory is on sys.path
 
 import megazero
+from benchmarks.bench_zero import init_process, spawn_workers
+from benchmarks.record import write_result
 from megazero.data import GPTDataset, IndexedDataset
 from megazero.zero.collectives import traffic
 from models.gpt import GPT, GPTConfig
-
-try:
-    from benchmarks.record import write_result
-except ModuleNotFoundError:  # run as a script: its directory is on sys.path
-    from record import write_result
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPE = {"num_layers": 4, "hidden_size": 1024, "num_attention_heads": 16, "seq_length": 32}

@@ -35,20 +35,16 @@ import time
 
 import torch
 import torch.distributed as dist
-from bench_zero import param_groups, recipe_config, spawn_workers  # a sibling: this script's directory is on sys.path
 
 import megazero
 import models.parallelize
+from benchmarks.bench_zero import param_groups, recipe_config, spawn_workers
+from benchmarks.record import write_result
 from megazero import parallel_state
 from megazero.data import GPTDataset, IndexedDataset
 from megazero.pipeline import bubble_fraction, interleaved_bubble_fraction
 from models.gpt import GPTConfig
 from models.llama import LlamaConfig
-
-try:
-    from benchmarks.record import write_result
-except ModuleNotFoundError:  # run as a script: its directory is on sys.path
-    from record import write_result
 from models.parallelize import parallelize
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -157,7 +153,7 @@ class LayoutRun:
 
 
 def worker(rank: int, world: int, port: int, args, queue) -> None:
-    from bench_zero import init_process
+    from benchmarks.bench_zero import init_process
 
     init_process(rank, world, port)
     runs = {name: LayoutRun(name, args) for name in args.layouts}

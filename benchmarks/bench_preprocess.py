@@ -20,10 +20,7 @@ import sys
 import tempfile
 import time
 
-try:
-    from benchmarks.record import write_result
-except ModuleNotFoundError:  # run as a script: its directory is on sys.path
-    from record import write_result
+from benchmarks.record import write_result
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MEASURE = """

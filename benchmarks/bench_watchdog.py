@@ -18,19 +18,15 @@ import time
 
 import torch
 import torch.distributed as dist
-from bench_zero import param_groups, recipe_config, spawn_workers  # a sibling: this script's directory is on sys.path
 
 import megazero
+from benchmarks.bench_zero import param_groups, recipe_config, spawn_workers
+from benchmarks.record import write_result
 from megazero import watchdog
 from megazero.config import WatchdogConfig
 from megazero.data import GPTDataset, IndexedDataset
 from models.gpt import GPTConfig
 from models.parallelize import parallelize
-
-try:
-    from benchmarks.record import write_result
-except ModuleNotFoundError:  # run as a script: its directory is on sys.path
-    from record import write_result
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -48,7 +44,7 @@ def mark_cost(repeats: int = 200_000) -> float:
 
 
 def worker(rank: int, world: int, port: int, args, queue) -> None:
-    from bench_zero import init_process
+    from benchmarks.bench_zero import init_process
 
     init_process(rank, world, port)
     model_config = GPTConfig.from_json(os.path.join(REPO, "configs", "gpt2_cpu.json"), vocab_size=8000)

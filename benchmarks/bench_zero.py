@@ -47,15 +47,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read when deepspeed is first imported (spawned ranks inherit it)
 
 import megazero  # noqa: E402
+from benchmarks.record import write_result  # noqa: E402
 from megazero.data import DistributedBatchLoader, GPTDataset, IndexedDataset  # noqa: E402
 from megazero.profiling.memory import tensor_bytes  # noqa: E402
 from megazero.zero.collectives import uses_native_collectives  # noqa: E402
 from models.gpt import GPT, GPTConfig  # noqa: E402
-
-try:
-    from benchmarks.record import write_result
-except ModuleNotFoundError:  # run as a script: its directory is on sys.path
-    from record import write_result
 
 TORCH_CONFIGS = ["ddp", "fsdp2"]
 MEGAZERO_CONFIGS = ["zero0", "zero1", "zero2", "zero3"]

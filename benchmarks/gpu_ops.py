@@ -20,13 +20,9 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from benchmarks.record import write_result
 from megazero.ops import cuda_ops
 from megazero.ops.cpu_optimizers import FusedCPULamb
-
-try:
-    from benchmarks.record import write_result
-except ModuleNotFoundError:  # run as a script: its directory is on sys.path
-    from record import write_result
 
 HIDDEN, HEADS, SEQ, MICRO, LAYERS, VOCAB = 1600, 25, 1024, 8, 48, 50304  # GPT-2 XL (vocab padded)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -10,7 +10,8 @@ each gets its own process group), printing one JSON object (also written to --js
                  pipeline stages (1F1B) and 2 tensor-parallel ranks, per-layout losses
 
 Data are synthetic token ids (no corpus needed on a GPU machine). Exits with a message where
-there is no GPU.
+there is no GPU. `--device cpu` rehearses `zero gloo` and `multi gloo` on the CPU (the same code
+but the device: tests/unit/test_check_gpu.py runs it).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from models.common import count_parameters
 from models.gpt import GPT, GPTConfig
 from models.parallelize import parallelize
 
-# run by scripts/check_gpu.py with PYTHONPATH at the repository (or after `make install`)
+# run by scripts/check_gpu.py as `python -m benchmarks.gpu_train` from the repository (or after `make install`)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 FP32_LOSS_RTOL = 1e-4  # fused LayerNorm / GeLU differ from torch's by fp32 rounding, carried over steps
@@ -132,13 +133,13 @@ def check_fused(steps: int = 8) -> dict:
     return result
 
 
-def check_zero(backend: str, steps: int = 4) -> dict:
-    """ZeRO stages 0-3 on one GPU at world size 1 over `backend`: per-stage losses."""
+def check_zero(backend: str, steps: int = 4, device: str = "cuda") -> dict:
+    """ZeRO stages 0-3 on one GPU (or `device`) at world size 1 over `backend`: per-stage losses."""
     megazero.init_distributed(dist_backend=backend)
     base = GPTConfig.from_json(os.path.join(REPO, "configs", "gpt2_cpu.json"), vocab_size=8000, num_layers=2)
     out = {}
     for stage in range(4):
-        out[str(stage)] = train(base, engine_config(4, False, stage=stage), steps, "cuda")["losses"]
+        out[str(stage)] = train(base, engine_config(4, False, stage=stage), steps, device)["losses"]
     return {"backend": backend, "losses": out, "passed": True}
 
 
@@ -204,13 +205,17 @@ def main(argv=None) -> int:
     p.add_argument("check", choices=["fused", "zero", "gpt2", "multi"])
     p.add_argument("backend", nargs="?", default="nccl", choices=["nccl", "gloo"])
     p.add_argument("--json", default=None, help="also write the result here")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="cpu: rehearse `zero gloo` or `multi gloo` without a GPU")
     args = p.parse_args(argv)
-    if torch.version.cuda is None or not torch.cuda.is_available():
+    if args.device == "cpu" and (args.check not in ("zero", "multi") or args.backend != "gloo"):
+        p.error("--device cpu rehearses `zero gloo` and `multi gloo` only")
+    if args.device == "cuda" and (torch.version.cuda is None or not torch.cuda.is_available()):
         sys.exit("no GPU (or a CPU build of torch): nothing to check here")
     if args.check == "fused":
         result = check_fused()
     elif args.check == "zero":
-        result = check_zero(args.backend)
+        result = check_zero(args.backend, device=args.device)
     elif args.check == "gpt2":
         result = check_gpt2()
     else:

@@ -34,13 +34,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import megazero
+from benchmarks.record import write_result
 from megazero.profiling import estimate_zero_memory
 from models.gpt import GPT, GPTConfig
-
-try:
-    from benchmarks.record import write_result
-except ModuleNotFoundError:  # run as a script: its directory is on sys.path
-    from record import write_result
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -12,6 +12,7 @@ top-level model, `validate_nested` for a block validated inside another (the per
 from __future__ import annotations
 
 import difflib
+import re
 import typing
 from collections.abc import Iterable
 from typing import Annotated, Any, Literal
@@ -113,9 +114,10 @@ def any_case_choice(names: tuple[str, ...]) -> Any:
 
 
 class Section(BaseModel):
-    """A config block: unknown keys are errors, values are checked on assignment too."""
+    """A config block: unknown keys are errors, values are checked on assignment too, and no float
+    takes NaN or +-inf (a run would train on NaNs or never update: refused, naming the key)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, validate_default=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, validate_default=True, allow_inf_nan=False)
 
 
 def suggest(key: str, valid: Iterable[str]) -> str:
@@ -194,10 +196,31 @@ _BOUNDS = {"greater_than_equal": ("ge", ">="), "greater_than": ("gt", ">"), "les
            "less_than": ("lt", "<")}
 
 
+# what pydantic puts in an error's loc for the member of a union it tried ('float', 'list[float]'):
+# not a key of the config
+_UNION_MEMBER = re.compile(r"^(float|int|str|bool|(list|tuple|dict|function-\w+|constrained-\w+)\[.*\])$")
+
+
+def _key_loc(error: ErrorDetails) -> tuple:
+    return tuple(part for part in error["loc"] if not _UNION_MEMBER.match(str(part)))
+
+
+def _first_error(exc: ValidationError) -> ErrorDetails:
+    """The first error, or where the value failed every member of a union, the member's error that
+    reached deepest into it (a list's bad element rather than 'not a float')."""
+    errors = exc.errors()
+    key = _key_loc(errors[0])
+    same_key = [e for e in errors if _key_loc(e)[:len(key)] == key]
+    return max(same_key, key=lambda e: len(_key_loc(e)))
+
+
 def _describe(root: type[BaseModel], error: ErrorDetails) -> tuple[tuple, str]:
     """(full loc, message template) for one pydantic error."""
-    loc, kind, ctx, given = tuple(error["loc"]), error["type"], error.get("ctx", {}), error.get("input")
+    loc = _key_loc(error)
+    kind, ctx, given = error["type"], error.get("ctx", {}), error.get("input")
     got = f"got {type(given).__name__} {given!r}"
+    if kind == "finite_number":
+        return loc, f"'{{path}}' must be a finite number, got {given!r}"
     if kind == "config":
         return loc + tuple(ctx["sub_loc"]), ctx["template"]
     if kind == "extra_forbidden":
@@ -224,7 +247,7 @@ def render(template: str, loc: tuple) -> str:
 
 def error_message(root: type[BaseModel], exc: ValidationError) -> str:
     """The first error of `exc` (raised validating `root`) as one line naming the key path and value."""
-    loc, template = _describe(root, exc.errors()[0])
+    loc, template = _describe(root, _first_error(exc))
     return render(template, loc)
 
 
@@ -234,7 +257,7 @@ def validate_nested(model: type[BaseModel], value: Any, *sub_loc: str) -> BaseMo
     try:
         return model.model_validate(value)
     except ValidationError as exc:
-        loc, template = _describe(model, exc.errors()[0])
+        loc, template = _describe(model, _first_error(exc))
         raise config_error(template, *sub_loc, *loc) from None
 
 

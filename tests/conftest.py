@@ -17,6 +17,13 @@ from tests.process_pool import ProcessPool
 os.environ.setdefault("MEGAZERO_DIST_BACKEND", "gloo")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def repo_pythonpath(env: dict[str, str] | None = None) -> str:
+    """PYTHONPATH for a child process: the repository first, then whatever the parent's was (packages
+    carried to a GPU machine sit there: replacing it would hide them)."""
+    before = (os.environ if env is None else env).get("PYTHONPATH", "")
+    return os.pathsep.join([REPO] + ([before] if before else []))
 CORPUS_PREFIX = os.path.join(REPO, "data", "gpt2", "shakespeare")
 
 

@@ -30,9 +30,10 @@ from megazero.config import ConfigError, resolve_batch_triad, validate_config
 
 
 class RunSection(BaseModel):
-    """A section of the run tree: unknown keys are errors, values are checked when set."""
+    """A section of the run tree: unknown keys are errors, values are checked when set, NaN and +-inf
+    are refused."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(), allow_inf_nan=False)
 
 
 class ParallelSection(RunSection):

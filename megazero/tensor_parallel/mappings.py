@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megazero.compat import reduce_scatter_single
+
 SEQUENCE_DIM = 1
 
 
@@ -62,7 +64,7 @@ def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     stacked = torch.stack(_chunks(x, dim, _world(group))).contiguous()  # [world, ...chunk]
     out = torch.empty_like(stacked[0])
-    dist.reduce_scatter_single(out.view(-1), stacked.view(-1), group=group)
+    reduce_scatter_single(out.view(-1), stacked.view(-1), group=group)
     return out
 
 

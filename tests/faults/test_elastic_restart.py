@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, repo_pythonpath
 from tests.faults.elastic_runs import (
     ELASTIC_FLAGS,
     ITERATION,
@@ -144,7 +144,7 @@ dist.destroy_process_group()
 def test_launcher_restarts_meet_in_a_fresh_store(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text(RESTART_PROBE)
-    env = user_env({"NPROC": "2", "MAX_RESTARTS": "1", "PYTHONPATH": REPO}, outside_slurm=True)
+    env = user_env({"NPROC": "2", "MAX_RESTARTS": "1", "PYTHONPATH": repo_pythonpath()}, outside_slurm=True)
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
     cmd = ["bash", "-c", f"source scripts/launch_lib.bash && megazero_launch {probe}"]
     proc = run_in_own_session(cmd, env, REPO, timeout=180)

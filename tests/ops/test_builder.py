@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megazero.ops import builder
-from tests.conftest import REPO
+from tests.conftest import REPO, repo_pythonpath
 
 
 @pytest.fixture()
@@ -72,13 +72,14 @@ def test_cuda_ops_are_incompatible_on_cpu_torch():
 
 def test_report_command():
     out = subprocess.run([sys.executable, "-m", "megazero.ops", "report"], capture_output=True, text=True, cwd=REPO,
-                         env={**os.environ, "PYTHONPATH": REPO}, check=True).stdout
+                         env={**os.environ, "PYTHONPATH": repo_pythonpath()}, check=True).stdout
     assert "cpu_optimizers" in out and "cuda_kernels" in out and "compatible" in out
 
 
 def _build_command(strict: str) -> subprocess.CompletedProcess:
     # no compiler on PATH makes every op incompatible here, so nothing is compiled either way
-    env = {**os.environ, "PYTHONPATH": REPO, "CXX": "megazero-no-such-compiler", "MEGAZERO_OPS_STRICT": strict}
+    env = {**os.environ, "PYTHONPATH": repo_pythonpath(), "CXX": "megazero-no-such-compiler",
+           "MEGAZERO_OPS_STRICT": strict}
     return subprocess.run([sys.executable, "-m", "megazero.ops", "build"], capture_output=True, text=True, cwd=REPO,
                           env=env)
 
@@ -104,7 +105,8 @@ def test_a_killed_builds_torch_lock_does_not_hang_the_next_build(broken_op, tmp_
               "import os; d = builder.build_dir(builder.SPECS['broken']); os.makedirs(d, exist_ok=True)\n"
               "open(os.path.join(d, 'lock'), 'w').close()\n"
               "print('loaded', builder.load_op('broken'))\n")
-    env = {**os.environ, "PYTHONPATH": REPO, "MEGAZERO_OPS_CACHE": str(tmp_path / "cache"), "MEGAZERO_OPS_STRICT": "0"}
+    env = {**os.environ, "PYTHONPATH": repo_pythonpath(), "MEGAZERO_OPS_CACHE": str(tmp_path / "cache"),
+           "MEGAZERO_OPS_STRICT": "0"}
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, env=env, timeout=240)
     assert run.returncode == 0 and "loaded None" in run.stdout, run.stdout + run.stderr
     assert "unavailable" in run.stderr
@@ -119,7 +121,8 @@ def test_ranks_loading_an_unbuilt_op_together_build_it_once_and_say_so_once(tmp_
     script = ("import sys\nfrom megazero.ops import builder\n"
               f"builder.SPECS['tiny'] = builder.OpSpec('tiny', [{str(source)!r}])\n"
               "print('one', builder.load_op('tiny').one())\n")
-    env = {**os.environ, "PYTHONPATH": REPO, "MEGAZERO_OPS_CACHE": str(tmp_path / "cache"), "MEGAZERO_OPS_STRICT": "1"}
+    env = {**os.environ, "PYTHONPATH": repo_pythonpath(), "MEGAZERO_OPS_CACHE": str(tmp_path / "cache"),
+           "MEGAZERO_OPS_STRICT": "1"}
     runs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True, cwd=REPO, env=env) for _ in range(2)]
     outs = [run.communicate(timeout=240) for run in runs]

@@ -18,7 +18,7 @@ from megazero.ops.cpu_optimizers import (
     cpu_optimizers_op,
     grad_norm_squared,
 )
-from tests.conftest import REPO
+from tests.conftest import REPO, repo_pythonpath
 
 SIZES = [1, 7, 17, 70001]
 STEPS = 10
@@ -145,7 +145,7 @@ def test_results_do_not_depend_on_thread_count(tmp_path):
     results = []
     for threads in (1, 2):
         path = str(tmp_path / f"t{threads}.pt")
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": REPO}
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": repo_pythonpath()}
         script = _THREADS_SCRIPT.replace("PATH", repr(path))
         subprocess.run([sys.executable, "-c", script], check=True, env=env, cwd=REPO)
         results.append(torch.load(path))

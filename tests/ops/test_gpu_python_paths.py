@@ -16,12 +16,13 @@ import time
 import pytest
 import torch
 
+from tests.conftest import REPO, repo_pythonpath
+
 pytestmark = pytest.mark.cuda
 
 if torch.version.cuda is None or not torch.cuda.is_available():
     pytest.skip("needs a GPU and a CUDA build of torch (this is a CPU run)", allow_module_level=True)
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _free_port() -> int:
@@ -33,7 +34,7 @@ def _free_port() -> int:
 def _run(script: str, env: dict[str, str], timeout: float = 240) -> str:
     base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO,
-                          env={**base, "PYTHONPATH": REPO, **env}, timeout=timeout)
+                          env={**base, "PYTHONPATH": repo_pythonpath(), **env}, timeout=timeout)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
     return proc.stdout
 
@@ -184,5 +185,5 @@ def test_one_f_one_b_over_nccl_with_activations_beyond_its_buffers(tmp_path):
     script = tmp_path / "pipeline_two_gpus.py"
     script.write_text(PIPELINE_TWO_GPUS)
     proc = subprocess.run([sys.executable, str(script), str(_free_port())], capture_output=True, text=True,
-                          cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, timeout=240)
+                          cwd=REPO, env={**os.environ, "PYTHONPATH": repo_pythonpath()}, timeout=240)
     assert proc.returncode == 0 and "pipeline over NCCL ok" in proc.stdout, proc.stderr[-4000:]

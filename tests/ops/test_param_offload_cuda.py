@@ -18,11 +18,12 @@ import sys
 import pytest
 import torch
 
+from tests.conftest import REPO, repo_pythonpath
+
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(torch.version.cuda is None or not torch.cuda.is_available(),
                                  reason="needs a GPU and a CUDA build of torch (this is a CPU run)")]
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SCRIPT = r"""
 import json, os, torch, megazero
@@ -98,7 +99,7 @@ def _free_port() -> int:
 
 def test_param_offload_on_gpu_equals_in_memory_and_keeps_partitions_on_host(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(PYTHONPATH=REPO, MEGAZERO_DIST_BACKEND="nccl", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+    env.update(PYTHONPATH=repo_pythonpath(env), MEGAZERO_DIST_BACKEND="nccl", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), NVME_PATH=str(tmp_path / "nvme"))
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, cwd=REPO, env=env,
                           timeout=300)

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, repo_pythonpath
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +22,7 @@ def _train(stage: int, dtype: str, tmp_path) -> list[float]:
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            SCRIPT, "--stage", str(stage), "--dtype", dtype, "--samples", "1024"],
                           capture_output=True, text=True, timeout=600, cwd=str(tmp_path),
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": repo_pythonpath()})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "Finished Training" in proc.stdout
     line = next(line for line in proc.stdout.splitlines() if line.startswith("LOSSES "))

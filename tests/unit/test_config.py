@@ -117,3 +117,64 @@ def test_recipe_precision_flag_replaces_either_spelling(tmp_path):
                         os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "configs", "run_gpt2_cpu.json"))
         config = parse_config(run.engine, 1)
         assert (config.bf16.enabled, config.fp16.enabled) == expected
+
+
+def _float_keys(model, prefix: str = "") -> list[tuple[str, bool]]:
+    """(dotted key, takes a list) for every key of `model` whose value may hold a float (sections
+    searched recursively)."""
+    from megazero.config_fields import section_type
+
+    keys = []
+    for name, info in model.model_fields.items():
+        key = prefix + (info.alias or name)
+        inner = section_type(info.annotation)
+        if inner is not None:
+            keys += _float_keys(inner, key + ".")
+        elif "float" in repr(info.annotation):
+            keys.append((key, repr(info.annotation).startswith("tuple[")))
+    return keys
+
+
+def _nested(dotted: str, value) -> dict:
+    out = value
+    for part in reversed(dotted.split(".")):
+        out = {part: out}
+    return out
+
+
+def _merged(a: dict, b: dict) -> dict:
+    return {**a, **{k: _merged(a[k], v) if isinstance(v, dict) and isinstance(a.get(k), dict) else v
+                    for k, v in b.items()}}
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")], ids=["inf", "-inf", "nan"])
+def test_no_float_key_takes_a_non_finite_value(bad):
+    from megazero.config import EngineConfig
+    from megazero.optim.lr_schedules import SCHEDULERS
+    from megazero.optim.registry import OPTIMIZERS
+
+    base = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 8,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    def value(pair: bool):  # a pair of floats (betas) gets the bad value second
+        return [0.5, bad] if pair else bad
+
+    cases = [(key, _nested(key, value(pair))) for key, pair in _float_keys(EngineConfig)]
+    cases += [(f"optimizer.params.{key}", {"optimizer": {"type": name, "params": {key: value(pair)}}})
+              for name, spec in OPTIMIZERS.items() for key, pair in _float_keys(spec.params)]
+    def required(model) -> dict:  # what a schedule needs besides the key tried (valid: finite)
+        return {k: 0.5 if "float" in repr(i.annotation) else 100 for k, i in model.model_fields.items()
+                if i.is_required()}
+
+    cases += [(f"scheduler.params.{key}", {"scheduler": {"type": name, "params": {
+        **required(schedule.params_model), key: value(pair)}}})
+        for name, schedule in SCHEDULERS.items() for key, pair in _float_keys(schedule.params_model)]
+    assert len(cases) > 60  # fp16.loss_scale, optimizer.params.eps, scheduler.params.warmup_min_lr, ...
+    accepted = []
+    for key, override in cases:
+        try:
+            parse_config(_merged(base, override), 1)
+            accepted.append(key)
+        except ConfigError as e:
+            # "must be a finite number", or a bound refused first ("must be >= 0, got -inf")
+            assert f"'{key}" in str(e) and ("finite" in str(e) or f"got {bad}" in str(e)), (key, str(e))
+    assert accepted == []

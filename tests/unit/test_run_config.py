@@ -176,3 +176,11 @@ def test_the_parallel_section_is_checked_against_the_world_size():
         run.parallel.data_parallel_size(6)
     with pytest.raises(ValueError, match="--expert-model-parallel-size 2 does not divide the data-parallel size 1"):
         run.parallel.data_parallel_size(4)
+
+
+@pytest.mark.parametrize("flag,value", [("--lr", "inf"), ("--clip-grad", "nan"), ("--min-lr", "-inf")])
+def test_a_non_finite_flag_value_is_refused_naming_it(flag, value, capsys):
+    with pytest.raises(SystemExit):
+        _parse(flag, value)
+    err = capsys.readouterr().err
+    assert flag[2:].replace("-", "_") in err and ("finite" in err or f"got {float(value)}" in err), err

@@ -18,8 +18,8 @@ import pytest
 
 from megazero.config import load_config_source
 from megazero.config.cli import parse_run
+from tests.conftest import REPO, repo_pythonpath
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPTS = os.path.join(REPO, "scripts")
 
 
@@ -130,7 +130,7 @@ def _run_program(prefix: str, tmp_path, kill_at: int, *flags: str) -> tuple[subp
     program = tmp_path / "run.py"
     program.write_text(PROGRAM)
     out = tmp_path / "result.json"
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": repo_pythonpath(), "OMP_NUM_THREADS": "1"}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     proc = subprocess.run([sys.executable, str(program), prefix, str(config), str(out), str(kill_at), *flags],
