@@ -53,7 +53,8 @@ def test_every_zero_file_has_a_layer():
     sources, _ = package_sources(ROOT, "megazero")
     zero = {m for m in sources if m == "megazero.zero" or m.startswith("megazero.zero.")}
     layers = _layers()
-    assert zero - set(layers) == set(), f"files missing from the layer table of {ZERO_README}"
+    missing = ", ".join(m.rpartition(".")[2] + ".py" for m in sorted(zero - set(layers)))
+    assert not missing, f"put {missing} in a layer of the table in {ZERO_README}"
     assert set(layers) - zero == set(), f"the layer table of {ZERO_README} names files that do not exist"
 
 
