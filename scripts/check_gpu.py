@@ -345,9 +345,20 @@ def tool_lines() -> list[str]:
     return lines
 
 
+def import_problem(module: str) -> str | None:
+    """Why `module` does not import in a step's environment (child_env: the repository, then the
+    carried wheels), as one line; None when it does."""
+    run = subprocess.run([sys.executable, "-c", f"import {module}"], cwd=REPO, env=child_env(), capture_output=True,
+                         text=True)
+    if run.returncode == 0:
+        return None
+    return (run.stderr.strip().splitlines() or [f"exit status {run.returncode}"])[-1]
+
+
 def preflight() -> tuple[str | None, int, list[str]]:
-    """(what is missing, or None; GPUs visible; lines about this machine). Imports megazero and every
-    runtime dependency first, so that a missing one is one line, not a traceback after a build."""
+    """(what is missing, or None; GPUs visible; lines about this machine). Finds every runtime
+    dependency and imports megazero as the steps will, first, so that a missing one is one line,
+    not a traceback after a build."""
     lines = [f"python {sys.version.split()[0]} ({sys.executable})"]
     missing = [m for m in runtime_modules() + ["pytest"] if importlib.util.find_spec(m) is None]
     if importlib.util.find_spec("ninja") is None and not shutil.which("ninja"):
@@ -358,10 +369,9 @@ def preflight() -> tuple[str | None, int, list[str]]:
     import torch
 
     lines.append(f"torch {torch.__version__} (CUDA {torch.version.cuda})")
-    try:
-        importlib.import_module("megazero")
-    except Exception as e:  # noqa: BLE001  (named in one line)
-        missing.insert(0, f"megazero ({type(e).__name__}: {e})")
+    problem = import_problem("megazero")
+    if problem:
+        missing.insert(0, f"megazero ({problem})")
     if missing:
         return (f"python modules missing: {', '.join(missing)} (carry them: `make gpu-wheels` where pip reaches an "
                 f"index, then .whl/ to this machine)"), 0, lines
