@@ -81,3 +81,15 @@ def test_write_result_adds_the_run(tmp_path, monkeypatch):
     assert data["meta"]["command"] == "python benchmarks/bench_zero.py --trials 4"
     assert data["meta"]["args"] == {"trials": 4, "data_path": os.path.join("data", "gpt2", "shakespeare")}
     assert data["meta"]["torch"] and data["meta"]["machine"]["cores"] >= 1
+
+
+def test_zero_benchmark_names_a_configuration_whose_losses_differ():
+    from benchmarks.bench_zero import loss_verdict
+
+    rows = {"zero0": {"losses": [9.0, 8.0], "max_abs_loss_diff": 0.0},
+            "zero3": {"losses": [9.0, 8.0001], "max_abs_loss_diff": 1e-4},
+            "ds0": {"losses": [9.0, 3.1], "max_abs_loss_diff": 4.9}}
+    verdict = loss_verdict(rows, list(rows), 2)
+    assert verdict.startswith("losses: equal in 2 configurations at each of 2 steps within 1.00e-04")
+    assert verdict.endswith("; differ by more than 1%: DeepSpeed ZeRO-0 (by up to 4.9)")
+    assert loss_verdict({k: rows[k] for k in ("zero0", "zero3")}, ["zero0", "zero3"], 2).count("differ") == 0
