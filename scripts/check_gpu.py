@@ -23,8 +23,9 @@ its whole process group; a step that raises is reported, and the rest go on.
   multi-rank   with 2+ GPUs, 2 NCCL ranks (ZeRO-2 data parallel, 2 pipeline stages, 2
                tensor-parallel ranks) against the same on gloo; with one GPU, listed as not run
 
-Prints a table (step, result, seconds, numbers). The logs and summary.json go to --out; where $OUT
-is set (the GPU lending tool's output folder) it gets summary.json and check_gpu_logs.tar.gz.
+Once the steps start, prints a table (step, result, seconds, numbers). The logs and summary.json
+go to --out; where $OUT is set (the GPU lending tool's output folder) and --out is not, they go to a
+temporary folder, and $OUT gets summary.json and check_gpu_logs.tar.gz (the folder is removed).
 Exit status 0: every step that ran passed; 1: a step failed; 2: no GPU (the plan is printed) or
 something missing (named).
 """
@@ -365,7 +366,8 @@ def preflight() -> tuple[str | None, int, list[str]]:
         missing.append("ninja")
     lines += tool_lines()
     if "torch" in missing:
-        return f"python modules missing: {', '.join(missing)}", 0, lines
+        return (f"python modules missing: {', '.join(missing)} (run it with a python that has torch: on the GPU "
+                f"machines, python3)"), 0, lines
     import torch
 
     lines.append(f"torch {torch.__version__} (CUDA {torch.version.cuda})")
@@ -401,8 +403,9 @@ def print_table(check: Check) -> None:
     print(f"total {time.monotonic() - check.start:.0f} s")
 
 
-def write_outputs(out_dir: str, summary: dict, out_env: str | None) -> None:
-    """summary.json into `out_dir`; where $OUT is set, summary.json and a tarball of `out_dir` there."""
+def write_outputs(out_dir: str, summary: dict, out_env: str | None, temporary: bool = False) -> None:
+    """summary.json into `out_dir`; where $OUT is set, summary.json and a tarball of `out_dir` there
+    (`temporary`: `out_dir` is then removed)."""
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
@@ -411,6 +414,8 @@ def write_outputs(out_dir: str, summary: dict, out_env: str | None) -> None:
         shutil.copy(os.path.join(out_dir, "summary.json"), os.path.join(out_env, "summary.json"))
         with tarfile.open(os.path.join(out_env, "check_gpu_logs.tar.gz"), "w:gz") as tar:
             tar.add(out_dir, arcname="check_gpu")
+    if temporary:
+        shutil.rmtree(out_dir, ignore_errors=True)
 
 
 def main(argv=None) -> int:
@@ -421,7 +426,8 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, default=BUDGET_S, help=f"seconds for all steps (default {BUDGET_S:.0f})")
     args = p.parse_args(argv)
     out_env = os.environ.get("OUT") or None
-    out_dir = args.out or (tempfile.mkdtemp(prefix="check_gpu-") if out_env else
+    temporary = args.out is None and out_env is not None  # the logs then live in $OUT's tarball only
+    out_dir = args.out or (tempfile.mkdtemp(prefix="check_gpu-") if temporary else
                            os.path.join(REPO, "benchmarks", "results", "check_gpu"))
     carried = install_carried_wheels()
     problem, gpus, machine = preflight()
@@ -431,7 +437,7 @@ def main(argv=None) -> int:
     summary = {"machine": machine, "budget_s": args.budget, "plan": plan(args.budget), "rows": []}
     if problem:
         print(f"[check-gpu] {problem}")
-        write_outputs(out_dir, {**summary, "problem": problem}, out_env)
+        write_outputs(out_dir, {**summary, "problem": problem}, out_env, temporary)
         return 2
     check = Check(out_dir, args.budget)
     try:
@@ -445,7 +451,7 @@ def main(argv=None) -> int:
         check.guarded("multi-rank", step_multi_rank, gpus)
     finally:
         print_table(check)
-        write_outputs(out_dir, {**summary, "rows": check.rows}, out_env)
+        write_outputs(out_dir, {**summary, "rows": check.rows}, out_env, temporary)
     return 1 if any(r["result"] in ("FAIL", "TIMEOUT", "ERROR") for r in check.rows) else 0
 
 

@@ -41,7 +41,8 @@ def _run_script(tmp_path, extra_env: dict | None = None) -> subprocess.Completed
 
 @no_gpu
 def test_without_a_gpu_it_prints_the_plan_writes_summary_and_exits_2(tmp_path):
-    run = _run_script(tmp_path)
+    (tmp_path / "tmp").mkdir()
+    run = _run_script(tmp_path, {"TMPDIR": str(tmp_path / "tmp")})
     assert run.returncode == 2, run.stdout + run.stderr
     assert f"torch {torch.__version__}" in run.stdout and "nothing to check here" in run.stdout
     assert "plan, budget 300 s" in run.stdout and all(step in run.stdout for step in _load().CAPS)
@@ -50,6 +51,7 @@ def test_without_a_gpu_it_prints_the_plan_writes_summary_and_exits_2(tmp_path):
     assert summary["problem"].startswith("no GPU") and len(summary["plan"]) == len(_load().CAPS) + 1
     assert tarfile.is_tarfile(tmp_path / "OUT" / "check_gpu_logs.tar.gz")
     assert sorted(os.listdir(tmp_path / "OUT")) == ["check_gpu_logs.tar.gz", "summary.json"]
+    assert os.listdir(tmp_path / "tmp") == []  # its temporary log folder is gone
 
 
 def test_a_missing_dependency_is_one_line_before_anything_runs(tmp_path):
