@@ -134,9 +134,11 @@ def check_fused(steps: int = 8) -> dict:
 
 
 def check_zero(backend: str, steps: int = 4, device: str = "cuda") -> dict:
-    """ZeRO stages 0-3 on one GPU (or `device`) at world size 1 over `backend`: per-stage losses."""
+    """ZeRO stages 0-3 on one GPU (or `device`) at world size 1 over `backend`: per-stage losses
+    (dropout on: the stages draw the same masks)."""
     megazero.init_distributed(dist_backend=backend)
-    base = GPTConfig.from_json(os.path.join(REPO, "configs", "gpt2_cpu.json"), vocab_size=8000, num_layers=2)
+    base = GPTConfig.from_json(os.path.join(REPO, "configs", "gpt2_cpu.json"), vocab_size=8000, num_layers=2,
+                               dropout=0.1)
     out = {}
     for stage in range(4):
         out[str(stage)] = train(base, engine_config(4, False, stage=stage), steps, device)["losses"]
