@@ -67,10 +67,9 @@ class _InitSwap:
     directory is removed once nothing refers to this object (every chunk read) or at exit."""
 
     def __init__(self, nvme_path: str, group, aio: dict):
-        from megazero.ops.aio import AsyncIO
-        from megazero.zero.swap import SwapDirectory, SwapFiles, agreed_run_id
+        from megazero.zero.swap import run_swap_files
 
-        self.files = SwapFiles(SwapDirectory(nvme_path, agreed_run_id(group), dist.get_rank()), AsyncIO(**aio))
+        self.files = run_swap_files(nvme_path, group, aio)
         self.count = 0
 
     def write(self, chunk: torch.Tensor) -> str:

@@ -40,14 +40,13 @@ import contextlib
 import weakref
 
 import torch
-import torch.distributed as dist
 
 from megazero.distributed import all_reduce_sum
 from megazero.optim.protocol import step_with_grad_scale, takes_grad_scale, writes_copies
 from megazero.zero.grad_swap import GradSwapper, drop_grad_partition
 from megazero.zero.protocol import PartitionedMasters
 from megazero.zero.staging import pinned
-from megazero.zero.swap import SwapDirectory, SwapFiles, agreed_run_id
+from megazero.zero.swap import SwapFiles, run_swap_files
 
 ALIGN_ELEMENTS = 1024  # 4 KiB of fp32: each kind's region of a sub-group buffer stays block-aligned
 _EMPTY = torch.empty(0)  # what a swapped-out master or state holds
@@ -144,10 +143,7 @@ class OffloadedState:
         if on_gpu:
             self._masters_to_host()
         if device == "nvme":
-            from megazero.ops.aio import AsyncIO
-
-            rank = dist.get_rank() if dist.is_initialized() else 0
-            self.files = SwapFiles(SwapDirectory(nvme_path, agreed_run_id(group), rank), AsyncIO(**aio_config))
+            self.files = run_swap_files(nvme_path, group, aio_config)
             self._swap_out_all(write=True)
         self.grads: GradSwapper | None = None  # the gradient partitions in swap files (stages 2 and 3)
         self._grad_slots: list[torch.Tensor] = []

@@ -54,10 +54,9 @@ import weakref
 from collections import OrderedDict
 
 import torch
-import torch.distributed as dist
 
 from megazero.zero.staging import PartitionStaging
-from megazero.zero.swap import SwapDirectory, SwapFiles, agreed_run_id
+from megazero.zero.swap import SwapFiles, run_swap_files
 
 
 def _resident(t: torch.Tensor) -> bool:
@@ -366,9 +365,5 @@ def make_param_swapper(config, model: torch.nn.Module, group=None) -> ParamSwapp
     if offload.device == "cpu":
         return None if staging.identity else ParamSwapper(None, offload.max_in_cpu, offload.buffer_count,
                                                           offload.buffer_size, staging)
-    from megazero.ops.aio import AsyncIO
-
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    files = SwapFiles(SwapDirectory(offload.nvme_path, agreed_run_id(group), rank),
-                      AsyncIO(**config.aio.model_dump()))
+    files = run_swap_files(offload.nvme_path, group, config.aio.model_dump())
     return ParamSwapper(files, offload.max_in_cpu, offload.buffer_count, offload.buffer_size, staging)

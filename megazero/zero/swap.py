@@ -241,3 +241,13 @@ class SwapFiles:
             self.aio.wait()
         finally:
             self.directory.close()
+
+
+def run_swap_files(nvme_path: str | os.PathLike, group, aio_config: dict) -> SwapFiles:
+    """This rank's swap files of one run under `nvme_path`: a directory named by the run id the
+    data-parallel `group` agrees on, written through the asynchronous I/O op (`aio_config`: the
+    engine config's `aio` block)."""
+    from megazero.ops.aio import AsyncIO
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return SwapFiles(SwapDirectory(nvme_path, agreed_run_id(group), rank), AsyncIO(**aio_config))
