@@ -15,7 +15,7 @@ from megazero import training
 from megazero.config.run import RunConfig
 from megazero.data import GPTDataset
 from megazero.data.data_paths import first_prefix
-from megazero.data.tokenizer import SentencePieceTokenizer
+from megazero.data.tokenizer import Tokenizer
 from megazero.data.vocab_check import check_token_ids
 
 
@@ -35,10 +35,10 @@ class CausalLMData:
                                        self.splits.valid_weights)
 
 
-def causal_lm_data(run: RunConfig, tokenizer: SentencePieceTokenizer) -> CausalLMData:
+def causal_lm_data(run: RunConfig, tokenizer: Tokenizer) -> CausalLMData:
     """GPT datasets of --data-path cut into train/valid(/test)."""
     def make(indexed, split: str) -> GPTDataset:
-        check_token_ids(indexed, tokenizer.vocab_size, run.data.tokenizer_model)
+        check_token_ids(indexed, tokenizer.vocab_size, run.data.tokenizer_spec().describe())
         return GPTDataset(indexed, run.model.seq_length, seed=run.seed, shuffle=split == "train")
 
     splits = training.build_datasets(run, make)

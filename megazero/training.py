@@ -28,7 +28,7 @@ from megazero.accelerator import get_accelerator
 from megazero.config import ConfigError, resolve_batch_triad
 from megazero.config.cli import describe, save_run_config
 from megazero.config.run import BatchRampup, RunConfig
-from megazero.data import DistributedBatchLoader, SentencePieceTokenizer
+from megazero.data import DistributedBatchLoader, Tokenizer, build_tokenizer
 from megazero.data.data_paths import DataSplits, build_splits
 from megazero.distributed import all_reduce_values
 from megazero.moe import has_moe_layers, moe_stats
@@ -53,10 +53,13 @@ def start_run(run: RunConfig):
                                                     parallel.pipeline_model_parallel_size,
                                                     parallel.expert_model_parallel_size)
     megazero.set_seed(run.seed)
-    if not os.path.isfile(run.data.tokenizer_model):
-        raise SystemExit(f"[megazero] rank {dist.get_rank()}: tokenizer model {run.data.tokenizer_model} not found: "
-                         f"give --tokenizer-model (a SentencePiece model; `make data` builds one beside its data)")
-    return dist.get_rank(), grid, SentencePieceTokenizer(run.data.tokenizer_model)
+    spec = run.data.tokenizer_spec()
+    try:
+        tokenizer = build_tokenizer(spec)
+    except (FileNotFoundError, ValueError) as e:
+        hint = " (`make data` builds a sentencepiece model beside its data)" if spec.type == "sentencepiece" else ""
+        raise SystemExit(f"[megazero] rank {dist.get_rank()}: tokenizer {spec.describe()}: {e}{hint}") from None
+    return dist.get_rank(), grid, tokenizer
 
 
 def pipeline_options(run: RunConfig) -> dict:
@@ -278,7 +281,7 @@ def average_across_ranks(value: float, group) -> float:
     return all_reduce_values([value], group=group)[0] / dist.get_world_size(group)
 
 
-def sample_text(model: torch.nn.Module, tokenizer: SentencePieceTokenizer, prompt: str, tokens: int,
+def sample_text(model: torch.nn.Module, tokenizer: Tokenizer, prompt: str, tokens: int,
                 seed: int, grid=None) -> str:
     """A short sampled continuation of `prompt` (temperature 0.8, top-k 40) by the model's
     generate(ids, max_new_tokens, temperature, top_k, vocab_size); with pipeline stages in `grid`,
@@ -474,7 +477,7 @@ def run_evaluation(engine, valid, eval_iters: int, rank: int, unigram: float | N
     return loss
 
 
-def print_sample(model: torch.nn.Module, tokenizer: SentencePieceTokenizer, sample, seed: int, grid,
+def print_sample(model: torch.nn.Module, tokenizer: Tokenizer, sample, seed: int, grid,
                  rank: int, partitioned: bool = False) -> None:
     """Rank 0 prints a sample of `sample.sample_tokens` after `sample.sample_prompt`; under tensor
     parallelism its TP peers (and its expert-parallel peers) generate alongside (the forward has

@@ -58,17 +58,6 @@ def to_hf_state_dict(state: dict[str, torch.Tensor], config: LlamaConfig, mlp: b
     return {name: t.contiguous() for name, t in out.items()}
 
 
-def tokenizer_config(tokenizer) -> dict:
-    """tokenizer_config.json that makes AutoTokenizer load the exported tokenizer.model as a
-    LlamaTokenizer with megazero's ids (megazero.data.SentencePieceTokenizer: no BOS or EOS added,
-    no prefix space, its own <s> / </s> / <unk> pieces)."""
-    sp = tokenizer.sp
-    return {"tokenizer_class": "LlamaTokenizer", "add_bos_token": False, "add_eos_token": False, "legacy": False,
-            "add_prefix_space": False, "bos_token": sp.id_to_piece(sp.bos_id()),
-            "eos_token": sp.id_to_piece(sp.eos_id()), "unk_token": sp.id_to_piece(sp.unk_id()), "pad_token": None,
-            "model_max_length": 1_000_000_000}
-
-
 def _padded(rows: torch.Tensor, config: LlamaConfig, name: str) -> torch.Tensor:
     """A vocabulary tensor with zero rows up to the config's padded vocabulary."""
     if rows.shape[0] != config.vocab_size:

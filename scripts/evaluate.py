@@ -2,11 +2,12 @@
 text file, with a sliding window for texts longer than the model's context.
 
     python scripts/evaluate.py --load CKPT --data-path data/gpt2/shakespeare_valid_text_document
-    python scripts/evaluate.py --load CKPT --text-file book.txt --tokenizer-model TOK.model [--stride 128]
+    python scripts/evaluate.py --load CKPT --text-file book.txt [--stride 128] [--tokenizer-type T --tokenizer-model M]
 
 Windows of seq_length tokens start every --stride tokens (default: seq_length, no overlap); each
 token is scored once, in the first window where it is not in the overlap, so with a smaller stride
-every prediction sees at least seq_length - stride tokens of context.
+every prediction sees at least seq_length - stride tokens of context. A text file is tokenized with
+the tokenizer the checkpoint's run used (the tokenizer flags, as the recipes take them, choose another).
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from megazero.checkpoint.model_files import load_model, saved_model_config_dict
-from megazero.data import IndexedDataset, SentencePieceTokenizer
+from megazero.checkpoint.model_files import load_model, saved_model_config_dict, saved_tokenizer_spec
+from megazero.data import IndexedDataset, build_tokenizer
+from megazero.data.tokenizer import add_tokenizer_args, spec_from_args
 from models.parallelize import MODELS, config_class_for
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_TOKENIZER = os.path.join(REPO, "data", "gpt2", "shakespeare_tokenizer.model")
 
 
 @torch.no_grad()
@@ -58,7 +61,7 @@ def main(argv=None) -> dict:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--data-path", help="indexed dataset prefix (.bin/.idx)")
     source.add_argument("--text-file", help="raw text, tokenised on the fly")
-    parser.add_argument("--tokenizer-model", default=os.path.join(REPO, "data", "gpt2", "shakespeare_tokenizer.model"))
+    add_tokenizer_args(parser, DEFAULT_TOKENIZER)  # default: the checkpoint's run's tokenizer
     parser.add_argument("--stride", type=int, default=None, help="default: the model's seq_length")
     parser.add_argument("--max-tokens", type=int, default=None, help="evaluate only the first N tokens")
     args = parser.parse_args(argv)
@@ -68,7 +71,8 @@ def main(argv=None) -> dict:
         tokens = torch.from_numpy(np.asarray(IndexedDataset(args.data_path).tokens, dtype=np.int64))
     else:
         with open(args.text_file, encoding="utf-8") as f:
-            tokens = torch.tensor(SentencePieceTokenizer(args.tokenizer_model).encode(f.read()), dtype=torch.long)
+            tokenizer = build_tokenizer(spec_from_args(args, saved_tokenizer_spec(args.load, args.tag)))
+            tokens = torch.tensor(tokenizer.encode(f.read()), dtype=torch.long)
     if args.max_tokens:
         tokens = tokens[:args.max_tokens]
     window = model.config.seq_length

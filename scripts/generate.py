@@ -25,20 +25,22 @@ import torch
 import torch.distributed as dist
 
 from megazero.checkpoint.consolidate import consolidate_fp32_state_dict
-from megazero.checkpoint.model_files import load_model, saved_model_config_dict
+from megazero.checkpoint.model_files import load_model, saved_model_config_dict, saved_tokenizer_spec
 from megazero.checkpoint.universal import local_shard
-from megazero.data import SentencePieceTokenizer
+from megazero.data import build_tokenizer
+from megazero.data.tokenizer import add_tokenizer_args, spec_from_args
 from megazero.model_contract import global_name_of
 from models.parallelize import MODELS, build_stage, config_class_for
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_TOKENIZER = os.path.join(REPO, "data", "gpt2", "shakespeare_tokenizer.model")
 
 
 def main(argv=None) -> str:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--load", required=True, help="checkpoint directory (any TP/PP/DP layout, any ZeRO stage)")
     parser.add_argument("--tag", default=None)
-    parser.add_argument("--tokenizer-model", default=os.path.join(REPO, "data", "gpt2", "shakespeare_tokenizer.model"))
+    add_tokenizer_args(parser, DEFAULT_TOKENIZER)  # default: the checkpoint's run's tokenizer
     parser.add_argument("--prompt", default="ROMEO:\n")
     parser.add_argument("--max-new-tokens", type=int, default=100)
     parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
@@ -51,7 +53,8 @@ def main(argv=None) -> str:
     parser.add_argument("--tensor-model-parallel-size", type=int, default=1,
                         help="under torchrun: each stage split over this many tensor-parallel ranks")
     args = parser.parse_args(argv)
-    tokenizer = SentencePieceTokenizer(args.tokenizer_model)
+    spec = spec_from_args(args, saved_tokenizer_spec(args.load, args.tag))
+    tokenizer = build_tokenizer(spec)
     saved = saved_model_config_dict(args.load, args.tag) or {}
     config_class = config_class_for(saved)  # GPT or Llama
     grid = None
@@ -60,7 +63,7 @@ def main(argv=None) -> str:
     else:
         model = load_model(args.load, args.tag, model_class=MODELS[config_class], config_class=config_class)
     if tokenizer.vocab_size != model.config.vocab_size:
-        raise ValueError(f"--tokenizer-model {args.tokenizer_model} has {tokenizer.vocab_size} pieces but the model in "
+        raise ValueError(f"the tokenizer {spec.describe()} has {tokenizer.vocab_size} tokens but the model in "
                          f"{args.load} was trained with vocab_size {model.config.vocab_size}")
     torch.manual_seed(args.seed)
     ids = torch.tensor([tokenizer.encode(args.prompt)], dtype=torch.long)

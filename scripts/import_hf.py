@@ -6,7 +6,9 @@ layout.
     python scripts/import_hf.py --hf-dir DIR --save CKPT_DIR [--tag global_step0]
 
 The result holds the weights (optimizer state starts afresh when an engine loads it); scripts/
-export_hf.py on it writes the same tensors back.
+export_hf.py on it writes the same tensors back. When DIR holds a tokenizer (tokenizer.json,
+tokenizer_config.json or tokenizer.model), the checkpoint names it (a HuggingFaceTokenizer of DIR):
+scripts/generate.py, evaluate.py and export_hf.py use it when given no tokenizer flag.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import os
 import torch
 
 from megazero.checkpoint.model_files import write_weights_checkpoint
+from megazero.data import TokenizerSpec
 from models import hf_gpt2, hf_llama, hf_mixtral
 from models.gpt import GPT
 from models.llama import Llama
@@ -26,6 +29,7 @@ FAMILIES = {"gpt2": (hf_gpt2.from_hf, GPT), "llama": (hf_llama.from_hf, Llama), 
             "mixtral": (hf_mixtral.from_hf, Llama)}
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 def read_hf_state(directory: str) -> dict[str, torch.Tensor]:
@@ -55,7 +59,10 @@ def main(argv=None) -> str:
                          f"{', '.join(FAMILIES)}")
     from_hf, model_class = FAMILIES[model_type]
     config, state = from_hf(hf_config, read_hf_state(args.hf_dir))
-    out = write_weights_checkpoint(config, state, args.save, args.tag, model_class=model_class)
+    has_tokenizer = any(os.path.isfile(os.path.join(args.hf_dir, f)) for f in TOKENIZER_FILES)
+    client_state = {"tokenizer": TokenizerSpec("hf", os.path.abspath(args.hf_dir)).to_dict()} if has_tokenizer else {}
+    out = write_weights_checkpoint(config, state, args.save, args.tag, model_class=model_class,
+                                   client_state=client_state)
     print(f"wrote {out}: {config.num_layers} layers, hidden {config.hidden_size}, "
           f"vocabulary {config.padded_vocab_size}")
     return out

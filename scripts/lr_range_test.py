@@ -92,7 +92,7 @@ def main(argv=None) -> dict:
     model = parallelize(model_config_of(run, GPTConfig, tokenizer.vocab_size), grid)
 
     def make(indexed, split: str) -> GPTDataset:  # each dataset checked (a blend has no one .indexed)
-        check_token_ids(indexed, tokenizer.vocab_size, run.data.tokenizer_model)
+        check_token_ids(indexed, tokenizer.vocab_size, run.data.tokenizer_spec().describe())
         return GPTDataset(indexed, model.config.seq_length, seed=run.seed)
 
     train = training.build_datasets(run, make).train

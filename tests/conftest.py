@@ -134,6 +134,27 @@ def corpus_prefix() -> str:
     return CORPUS_PREFIX
 
 
+@pytest.fixture(scope="session")
+def byte_level_bpe(corpus_prefix, tmp_path_factory) -> dict[str, str]:
+    """A byte-level BPE trained on the corpus: tokenizer.json, a saved HF directory, GPT-2's
+    vocab.json + merges.txt and a tiktoken file (tests/tokenizer_helpers.py)."""
+    from tests.tokenizer_helpers import train_byte_level_bpe
+
+    return train_byte_level_bpe(str(tmp_path_factory.mktemp("bpe")))
+
+
+@pytest.fixture(scope="session")
+def bpe_corpus_prefix(byte_level_bpe, tmp_path_factory) -> str:
+    """The corpus preprocessed with the byte-level BPE as GPT-2 files (scripts/preprocess_data.py
+    --vocab-file --merge-file): P_train/valid_text_document and P_stats.json naming them."""
+    prefix = str(tmp_path_factory.mktemp("bpe_data") / "shakespeare")
+    subprocess.run([sys.executable, os.path.join(REPO, "scripts", "preprocess_data.py"), "--input",
+                    os.path.join(REPO, "data", "shakespeare"), "--output-prefix", prefix, "--log-interval", "100",
+                    "--vocab-file", byte_level_bpe["vocab_file"], "--merge-file", byte_level_bpe["merge_file"]],
+                   check=True, capture_output=True, cwd=REPO)
+    return prefix
+
+
 @pytest.fixture()
 def token_dataset_prefix(tmp_path) -> str:
     """write_token_dataset() in a fresh temporary directory."""

@@ -19,6 +19,7 @@ from megazero.checkpoint.engine_state import resolve_tag
 from megazero.checkpoint.files import FORMAT_VERSION, MODEL_FILES, model_files_in
 from megazero.checkpoint.io import CheckpointError, load_file
 from megazero.checkpoint.universal import ParameterStates
+from megazero.data.tokenizer import TokenizerSpec
 from megazero.meta_device import skeleton
 from megazero.tensor_parallel.utils import partition_of
 
@@ -36,6 +37,23 @@ def _first_model_file(checkpoint_dir: str, tag: str | None) -> str:
 def saved_model_config_dict(checkpoint_dir: str, tag: str | None = None) -> dict | None:
     """The model config dict a checkpoint was saved with (None when its model had no config)."""
     return load_file(_first_model_file(checkpoint_dir, tag)).get("model_config")
+
+
+def saved_tokenizer_spec(checkpoint_dir: str, tag: str | None = None) -> TokenizerSpec | None:
+    """The tokenizer the checkpoint names: that of the recipe run that saved it (its run config's
+    data section), or of the Hugging Face directory it was imported from. None when it names none
+    (saved outside a recipe) or the files are gone."""
+    client = load_file(_first_model_file(checkpoint_dir, tag)).get("client_state") or {}
+    data = (client.get("run_config") or {}).get("data") or {}
+    if data.get("tokenizer_type"):
+        spec = TokenizerSpec(data["tokenizer_type"], data.get("tokenizer_model"), data.get("vocab_file"),
+                             data.get("merge_file"))
+    elif client.get("tokenizer"):
+        spec = TokenizerSpec(**client["tokenizer"])
+    else:
+        return None
+    files = [spec.vocab_file, spec.merge_file] if spec.type == "gpt2bpe" else [spec.model]
+    return spec if all(f and os.path.exists(f) for f in files) else None
 
 
 def saved_model_config(checkpoint_dir: str, tag: str | None = None, *, config_class):
@@ -60,9 +78,10 @@ def load_model(checkpoint_dir: str, tag: str | None = None, *, model_class, conf
 
 
 def write_weights_checkpoint(config, state: dict[str, torch.Tensor], save_dir: str, tag: str = "global_step0", *,
-                             model_class) -> str:
+                             model_class, client_state: dict | None = None) -> str:
     """A weights-only checkpoint (TP = PP = 1) of `model_class(config)` that engines of any layout
-    load, starting their optimizer afresh (e.g. to continue training an imported model)."""
+    load, starting their optimizer afresh (e.g. to continue training an imported model);
+    `client_state` is saved as a training run's is (e.g. {"tokenizer": spec dict})."""
     with skeleton():
         model = model_class(config)
     names = [name for name, _ in model.named_parameters()]
@@ -72,7 +91,7 @@ def write_weights_checkpoint(config, state: dict[str, torch.Tensor], save_dir: s
     weights = {name: state[name].float().contiguous() for name in names}
     engine = {"format_version": FORMAT_VERSION, "global_steps": 0, "global_samples": 0, "micro_steps": 0,
               "skipped_steps": 0, "lr_scheduler": None, "loss_scaler": None, "train_batch_size": None,
-              "client_state": {}, "weights_only": True}
+              "client_state": client_state or {}, "weights_only": True}
     states = ParameterStates(weights=weights, optimizer={n: {} for n in names}, group_of={n: 0 for n in names},
                              param_groups=[{}], module=dict(weights), engine=engine)
     stage = [StageParameter(n, *partition_of(p)) for n, p in model.named_parameters()]

@@ -56,9 +56,6 @@ FLAG_ALIASES: dict[str, tuple[str, ...]] = {
 
 # Megatron flags a recipe refuses, with the reason (checked only where the recipe's tree has no such field)
 UNHONOURED: dict[str, str] = {
-    "--vocab-file": "megazero's recipes read a SentencePiece model: give --tokenizer-model (make data builds one)",
-    "--merge-file": "megazero's recipes read a SentencePiece model: give --tokenizer-model (make data builds one)",
-    "--tokenizer-type": "megazero's recipes read a SentencePiece model: give --tokenizer-model",
     "--untie-embeddings-and-output-weights": "this recipe's model ties its output layer to the word embedding "
                                              "(the Llama recipe has an output layer of its own)",
     "--num-query-groups": "this recipe's attention has one key/value head per query head (the Llama recipe "

@@ -153,14 +153,22 @@ class DataSection(RunSection):
                                                                 "pairs, instead of --data-path")
     valid_data_path: list[str] | None = Field(None, description="the validation datasets (each reported apart)")
     test_data_path: list[str] | None = Field(None, description="the test datasets (each reported apart)")
-    tokenizer_model: str | None = Field(None, description="SentencePiece model (default: P_tokenizer.model of the "
-                                                          "first prefix)")
+    tokenizer_type: str | None = Field(
+        None, description="GPTSentencePieceTokenizer (sentencepiece), HuggingFaceTokenizer (hf), TikTokenizer "
+                          "(tiktoken) or GPT2BPETokenizer (gpt2bpe) (default: gpt2bpe with --vocab-file, else the one "
+                          "the first prefix's P_stats.json names, else sentencepiece)")
+    tokenizer_model: str | None = Field(
+        None, description="sentencepiece .model, Hugging Face tokenizer directory or tokenizer.json, or .tiktoken "
+                          "file (default: P_tokenizer.model of the first prefix, or the one P_stats.json names)")
+    vocab_file: str | None = Field(None, description="GPT2BPETokenizer: GPT-2's vocab.json")
+    merge_file: str | None = Field(None, description="GPT2BPETokenizer: GPT-2's merges.txt")
 
     def checked(self) -> DataSection:
         """This section with the data paths checked (one of --data-path or --train-data-path, each a
-        prefix or weight-prefix pairs) and the tokenizer's default filled in."""
+        prefix or weight-prefix pairs) and the tokenizer's defaults filled in."""
         from megazero.data.blended_dataset import parse_data_path
         from megazero.data.data_paths import default_tokenizer, first_prefix
+        from megazero.data.tokenizer import resolve_spec
 
         if bool(self.data_path) == bool(self.train_data_path):
             raise ValueError("give one of --data-path (with --split) or --train-data-path (with --valid-data-path)")
@@ -169,8 +177,16 @@ class DataSection(RunSection):
             if values:
                 parse_data_path(values, f"--{split}-data-path" if split else "--data-path",
                                 unweighted=split in ("valid", "test"))
-        tokenizer = self.tokenizer_model or default_tokenizer(first_prefix(self))
-        return self.model_copy(update={"tokenizer_model": tokenizer})
+        spec = resolve_spec(self.tokenizer_type, self.tokenizer_model, self.vocab_file, self.merge_file,
+                            lambda: default_tokenizer(first_prefix(self))).absolute()
+        return self.model_copy(update={"tokenizer_type": spec.type, "tokenizer_model": spec.model,
+                                       "vocab_file": spec.vocab_file, "merge_file": spec.merge_file})
+
+    def tokenizer_spec(self):
+        """The run's megazero.data.TokenizerSpec (of a checked section)."""
+        from megazero.data.tokenizer import TokenizerSpec
+
+        return TokenizerSpec(self.tokenizer_type, self.tokenizer_model, self.vocab_file, self.merge_file)
 
 
 class CheckpointSection(RunSection):

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from megazero.data.blended_dataset import BlendedDataset, parse_data_path
 from megazero.data.indexed_dataset import DocumentRange, IndexedDataset, split_documents
+from megazero.data.tokenizer import TokenizerSpec
 
 SPLITS = ("train", "valid", "test")
 
@@ -80,22 +81,24 @@ def _names(prefixes: list[str]) -> list[str]:
     return [n if names.count(n) == 1 else f"{n}#{i}" for i, n in enumerate(names)]
 
 
-def default_tokenizer(prefix: str) -> str:
-    """The tokenizer of data prefix P: P_tokenizer.model, else the one P_stats.json names (an output
-    of --output-per-input or --partitions), else that of P without _text_document/_text_sentence
-    (and then without _train/_valid/_test)."""
+def default_tokenizer(prefix: str) -> TokenizerSpec:
+    """The tokenizer of data prefix P: P_tokenizer.model, else the one P_stats.json names (any type;
+    an output of --output-per-input or --partitions, or data made with a given tokenizer), else
+    that of P without _text_document/_text_sentence (and then without _train/_valid/_test)."""
     candidates = [prefix] + [prefix[:-len(s)] for s in ("_text_document", "_text_sentence") if prefix.endswith(s)]
     # P_train_text_document given whole (Megatron's one-dataset prefix, cut by --split): P's tokenizer
     candidates += [c[:-len(s)] for c in candidates[1:] for s in ("_train", "_valid", "_test") if c.endswith(s)]
     for p in candidates:
         if os.path.isfile(p + "_tokenizer.model"):
-            return p + "_tokenizer.model"
+            return TokenizerSpec(model=p + "_tokenizer.model")
         if os.path.isfile(p + "_stats.json"):
             with open(p + "_stats.json") as f:
-                named = json.load(f).get("tokenizer_model")
-            if named and os.path.isfile(named):
-                return named
-    return prefix + "_tokenizer.model"
+                stats = json.load(f)
+            if "tokenizer" in stats:
+                return TokenizerSpec(**stats["tokenizer"])
+            if stats.get("tokenizer_model") and os.path.isfile(stats["tokenizer_model"]):
+                return TokenizerSpec(model=stats["tokenizer_model"])
+    return TokenizerSpec(model=prefix + "_tokenizer.model")
 
 
 def first_prefix(args) -> str | None:

@@ -30,6 +30,7 @@ import numpy as np
 
 from megazero.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter, best_dtype
 from megazero.data.sources import read_documents
+from megazero.data.tokenizer import TokenizerSpec, build_tokenizer
 
 NAMES_KEPT = 10_000  # document names listed in the stats up to this many documents per split
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
@@ -71,37 +72,25 @@ class Options:
 _STATE: dict = {}
 
 
-def init_worker(model_path: str, split_sentences: bool, threads: int = 1) -> None:
-    """Load the tokenizer once per worker process, encoding with `threads` sentencepiece threads
-    (1 in a pool, whose processes are the parallelism; -1, every core, when tokenizing inline)."""
-    import sentencepiece as spm
-
-    from megazero.data.tokenizer import NEWLINE
-
-    sp = spm.SentencePieceProcessor(model_file=model_path, num_threads=threads)
-    _STATE.update(sp=sp, newline=sp.piece_to_id(NEWLINE), eod=sp.eos_id(), sentences=split_sentences,
-                  dtype=best_dtype(sp.get_piece_size()), vocab=sp.get_piece_size())
+def init_worker(spec: TokenizerSpec, split_sentences: bool, threads: int = 1) -> None:
+    """Load the tokenizer once per worker process, encoding with `threads` threads where the
+    library has them (1 in a pool, whose processes are the parallelism; -1, every core, when
+    tokenizing inline)."""
+    tokenizer = build_tokenizer(spec, threads)
+    _STATE.update(tokenizer=tokenizer, eod=tokenizer.eod, sentences=split_sentences,
+                  dtype=best_dtype(tokenizer.vocab_size), vocab=tokenizer.vocab_size)
 
 
 def _encode_flat(texts: list[str], end: int | None) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens back to back, sizes) of encode(text) + [end] for each text (no end: None): every
-    line of every text in one batch call, joined by the newline id (the same ids as
-    SentencePieceTokenizer.encode), assembled by C-level iteration (chain, fromiter) rather than a
-    Python generator over every token, which cost a quarter of the time of the encode itself."""
-    lines = [t.split("\n") for t in texts]
-    flat = _STATE["sp"].encode(list(itertools.chain.from_iterable(lines)))
-    newline = _STATE["newline"]
-    for ids in flat:  # each line but a text's last ends with a newline: append one to all, then fix the last
-        ids.append(newline)
-    line_counts = np.fromiter(map(len, lines), np.int64, len(lines))
-    for last in (np.cumsum(line_counts) - 1).tolist():
-        if end is None:
-            flat[last].pop()
-        else:
-            flat[last][-1] = end
-    line_sizes = np.fromiter(map(len, flat), np.int64, len(flat))
-    sizes = np.add.reduceat(line_sizes, np.cumsum(line_counts) - line_counts) if len(texts) else line_sizes
-    tokens = np.fromiter(itertools.chain.from_iterable(flat), _STATE["dtype"], int(sizes.sum()))
+    """(tokens back to back, sizes) of encode(text) + [end] for each text (no end: None), the
+    texts encoded in one batch call and assembled by C-level iteration (chain, fromiter) rather
+    than a Python generator over every token, which cost a quarter of the time of the encode."""
+    per_text = _STATE["tokenizer"].encode_batch(texts)
+    if end is not None:
+        for ids in per_text:
+            ids.append(end)
+    sizes = np.fromiter(map(len, per_text), np.int64, len(per_text))
+    tokens = np.fromiter(itertools.chain.from_iterable(per_text), _STATE["dtype"], int(sizes.sum()))
     return tokens, sizes.astype(np.int32)
 
 
@@ -262,14 +251,12 @@ def unigram_entropy(counts: np.ndarray) -> float:
     return float(-(probs * np.log(probs)).sum())
 
 
-def tokenize_files(files: list[str], prefix: str, model_path: str, opts: Options, mask: np.ndarray | None,
+def tokenize_files(files: list[str], prefix: str, spec: TokenizerSpec, opts: Options, mask: np.ndarray | None,
                    documents: int, first_document: int = 0) -> dict:
     """Tokenize the `documents` document slots of `files` (numbered from `first_document` in the
     whole input; `mask`: its valid documents, None for no split) into output_names(prefix);
     returns the stats."""
-    from megazero.data.tokenizer import SentencePieceTokenizer
-
-    vocab = SentencePieceTokenizer(model_path).vocab_size
+    vocab = build_tokenizer(spec).vocab_size
     names = output_names(prefix, opts)
     writers = [IndexedDatasetWriter(name, best_dtype(vocab)) for name in names]
     stats = [SplitStats() for _ in names]
@@ -289,7 +276,7 @@ def tokenize_files(files: list[str], prefix: str, model_path: str, opts: Options
         # each worker encodes with one thread (the workers are the parallelism)
         threads = 1 if opts.workers > 1 else -1
         for result in ordered_map(encode_chunk, texts(), opts.workers, init_worker,
-                                  (model_path, opts.split_sentences, threads)):
+                                  (spec, opts.split_sentences, threads)):
             for split, part in result.items():
                 writers[split].add(part.tokens, part.sizes, part.ends)
                 stats[split].tokens += len(part.tokens)
@@ -304,7 +291,8 @@ def tokenize_files(files: list[str], prefix: str, model_path: str, opts: Options
     progress.close()
     for writer in writers:
         writer.finalize()
-    out = {"tokenizer_model": model_path, "vocab_size": vocab}
+    spec = spec.absolute()  # found again by the recipes from any directory
+    out = {"tokenizer": spec.to_dict(), "tokenizer_model": spec.model, "vocab_size": vocab}
     for name, entry in zip(["train", "valid"] if mask is not None else ["all"], stats):
         out[name] = entry.as_dict()
         if name in ("train", "all"):
@@ -340,12 +328,18 @@ def token_counts(indexed: IndexedDataset, vocab_size: int, chunk_tokens: int = 1
     return counts
 
 
+def describe(stats: dict) -> str:
+    """The tokenizer a stats dict names, for messages."""
+    named = TokenizerSpec(**stats["tokenizer"]).describe() if "tokenizer" in stats else stats["tokenizer_model"]
+    return f"tokenizer {named}"
+
+
 def entropy_report(stats: dict) -> str:
     """The summary lines preprocess_data.py prints."""
     first = "train" if "train" in stats else "all"
     lines = [f"{k}: {stats[k]['documents']} documents, {stats[k]['tokens']:,} tokens"
              for k in ("train", "valid", "all") if k in stats]
     entropy = stats["unigram_entropy_nats"]
-    return (f"{'; '.join(lines)}; unigram entropy {entropy:.3f} nats; tokenizer {stats['tokenizer_model']}\n"
+    return (f"{'; '.join(lines)}; unigram entropy {entropy:.3f} nats; {describe(stats)}\n"
             f"chars/token {stats[first]['characters'] / max(stats[first]['tokens'], 1):.2f}; "
             f"unigram perplexity {math.exp(entropy):.0f}")

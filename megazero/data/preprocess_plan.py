@@ -27,6 +27,7 @@ from megazero.data.preprocess import (
     write_tokenizer_corpus,
 )
 from megazero.data.sources import count_documents, partition, stem
+from megazero.data.tokenizer import TokenizerSpec
 
 
 @dataclass
@@ -77,7 +78,7 @@ def train_tokenizer(groups: list[Group], prefix: str, opts: Options, vocab_size:
                     max_bytes: int) -> str:
     """A sentencepiece model P_tokenizer.model trained on the train documents of `groups` (the
     first `max_bytes` of their text); returns its path."""
-    from megazero.data.tokenizer import train_sentencepiece
+    from megazero.data.tokenizer_sentencepiece import train_sentencepiece
 
     os.makedirs(os.path.dirname(prefix) or ".", exist_ok=True)
     corpus = prefix + "_tokenizer_corpus.txt"
@@ -93,9 +94,9 @@ def train_tokenizer(groups: list[Group], prefix: str, opts: Options, vocab_size:
         os.remove(corpus)
 
 
-def write_group(group: Group, model_path: str, opts: Options) -> dict:
+def write_group(group: Group, spec: TokenizerSpec, opts: Options) -> dict:
     """Tokenize one group and write its datasets and P_stats.json; returns the stats."""
-    stats = tokenize_files(group.files, group.prefix, model_path, opts, group.mask, group.documents,
+    stats = tokenize_files(group.files, group.prefix, spec, opts, group.mask, group.documents,
                            group.first_document)
     with open(group.prefix + "_stats.json", "w") as f:
         json.dump(stats, f, indent=1)
@@ -127,7 +128,7 @@ def merge_partitions(prefixes: list[str], output_prefix: str) -> dict:
     opts = layout_of(prefixes[0])
     for suffix_index, name in enumerate(output_names(output_prefix, opts)):
         merge_indexed_datasets([output_names(p, opts)[suffix_index] for p in prefixes], name)
-    merged = {"tokenizer_model": parts[0]["tokenizer_model"], "vocab_size": parts[0]["vocab_size"]}
+    merged = {key: parts[0][key] for key in ("tokenizer", "tokenizer_model", "vocab_size") if key in parts[0]}
     for split in splits:
         entry = {key: sum(p[split][key] for p in parts) for key in ("documents", "tokens", "characters")}
         if entry["documents"] <= NAMES_KEPT:

@@ -155,5 +155,5 @@ def test_transformers_model_imports_with_its_logits(pools, token_dataset_prefix_
         assert len(result["losses"]) == 2 and all(0 < x < 10 for x in result["losses"])
     # exported again with a tokenizer of another vocabulary (the corpus's 8,000 pieces for 256 rows):
     # a warning naming both sizes, not a silent directory whose tokenizer's ids index past the embedding
-    with pytest.warns(UserWarning, match="has 8000 pieces but the model .* has a vocabulary of 256"):
+    with pytest.warns(UserWarning, match="has 8000 tokens but the model .* has a vocabulary of 256"):
         _export(str(tmp_path / "imported"), str(tmp_path / "hf_wrong_tokenizer"))

@@ -1,8 +1,8 @@
 """A run is reproduced from its saved run config alone: the GPT recipe (dropout on) writes
 run_config.json beside its TensorBoard events and in every checkpoint; `--config` that file, run
 to iteration 3 and then resumed to 6, logs the original run's losses exactly. And Megatron-LM's own
-GPT example (examples/gpt3/train_gpt3_175b_distributed.sh), its flags as written, sizes scaled to
-CPU, trains the recipe at TP=2: the batch ramps up as --rampup-batch-size says and the cosine
+GPT example (examples/gpt3/train_gpt3_175b_distributed.sh), its flags as written (GPT-2 BPE files
+included), sizes scaled to CPU, trains the recipe at TP=2: the batch ramps up as --rampup-batch-size says and the cosine
 schedule ends at --min-lr."""
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ import sys
 import pytest
 import torch
 
+from megazero.checkpoint.model_files import saved_model_config_dict, saved_tokenizer_spec
 from megazero.config.run import BatchRampup
+from megazero.data import TokenizerSpec
 from tests.conftest import REPO
 from tests.recipes.test_pretrain_gpt import _scalars
 
@@ -58,8 +60,7 @@ def test_saved_run_config_reruns_and_resumes_the_run(corpus_prefix, tmp_path):
 
 
 # examples/gpt3/train_gpt3_175b_distributed.sh, array by array, sizes scaled to CPU; its DATA_ARGS'
-# --vocab-file/--merge-file (a GPT-2 BPE tokenizer) are left out: the recipe reads the SentencePiece
-# model beside the data prefix
+# GPT-2 BPE files are a byte-level BPE the tests train on the corpus (tests/tokenizer_helpers.py)
 GPT_MODEL_ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
                   "--max-position-embeddings", "32", "--attention-backend", "auto"]
 TRAINING_ARGS = ["--micro-batch-size", "1", "--global-batch-size", "8", "--rampup-batch-size", "2", "2", "24",
@@ -70,14 +71,19 @@ TRAINING_ARGS = ["--micro-batch-size", "1", "--global-batch-size", "8", "--rampu
 MODEL_PARALLEL_ARGS = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1"]
 
 
-def test_megatrons_gpt3_example_flags_train_the_recipe_at_tp2(corpus_prefix, tmp_path):
-    data_args = ["--data-path", corpus_prefix + "_train_text_document", "--split", "949,50,1"]
+def test_megatrons_gpt3_example_flags_train_the_recipe_at_tp2(bpe_corpus_prefix, byte_level_bpe, tmp_path):
+    data_args = ["--data-path", bpe_corpus_prefix + "_train_text_document", "--vocab-file",
+                 byte_level_bpe["vocab_file"], "--merge-file", byte_level_bpe["merge_file"], "--split", "949,50,1"]
     logging_args = ["--log-interval", "1", "--save-interval", "7", "--eval-interval", "7", "--save",
                     str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt"), "--eval-iters", "1",
                     "--tensorboard-dir", str(tmp_path / "tb")]
     out = _recipe(tmp_path, *GPT_MODEL_ARGS, *TRAINING_ARGS, *MODEL_PARALLEL_ARGS, *data_args, *logging_args,
                   "--peak-flops", "1e11", "--sample-tokens", "0", nproc=2)
     assert "2 ranks = TP 2 x PP 1 x DP 1" in out and "torch.float16" in out, out
+    ckpt = str(tmp_path / "ckpt")  # GPT-2's BPE, as Megatron reads those flags: its 1,000 tokens
+    assert saved_model_config_dict(ckpt)["vocab_size"] == 1000
+    assert saved_tokenizer_spec(ckpt) == TokenizerSpec("gpt2bpe", None, byte_level_bpe["vocab_file"],
+                                                      byte_level_bpe["merge_file"])
     lines = [line for line in out.splitlines() if line.startswith(" iteration")]
     batches = [int(re.search(r"global batch size: +(\d+)", line).group(1)) for line in lines]
     lrs = [float(re.search(r"learning rate: ([0-9.e+-]+)", line).group(1)) for line in lines]

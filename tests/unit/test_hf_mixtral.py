@@ -24,7 +24,7 @@ TOKENIZER = CORPUS_PREFIX + "_tokenizer.model"
 MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_router_score_order": "topk_softmax"}
 SHAPE = dict(TINY_LLAMA)  # the tiny Llama as trained (dropout on); logits are compared in eval mode
 # the corpus tokenizer (8,000 pieces) with the tiny models' 256 rows: export_hf's mismatch warning, expected here
-pytestmark = pytest.mark.filterwarnings("ignore:the tokenizer .* has 8000 pieces:UserWarning")
+pytestmark = pytest.mark.filterwarnings("ignore:the tokenizer .* has 8000 tokens:UserWarning")
 
 
 def _export(load: str, out: str) -> str:

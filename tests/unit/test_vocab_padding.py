@@ -147,5 +147,5 @@ def test_generate_refuses_a_tokenizer_of_another_vocabulary(corpus_prefix, tmp_p
     model = _pair(GPT, GPTConfig)[0]
     write_weights_checkpoint(model.config, {n: p.detach() for n, p in model.named_parameters()}, str(tmp_path),
                              model_class=GPT)
-    with pytest.raises(ValueError, match="has 8000 pieces but the model .* was trained with vocab_size 300"):
+    with pytest.raises(ValueError, match="has 8000 tokens but the model .* was trained with vocab_size 300"):
         generate(["--load", str(tmp_path), "--tokenizer-model", corpus_prefix + "_tokenizer.model"])
