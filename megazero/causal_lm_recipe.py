@@ -36,10 +36,13 @@ class CausalLMData:
 
 
 def causal_lm_data(run: RunConfig, tokenizer: Tokenizer) -> CausalLMData:
-    """GPT datasets of --data-path cut into train/valid(/test)."""
+    """GPT datasets of --data-path cut into train/valid(/test), with the fields of the document flags
+    (--reset-position-ids, --reset-attention-mask, --eod-mask-loss) at the tokenizer's eod."""
+    packing = run.data.document_packing(tokenizer.eod)
+
     def make(indexed, split: str) -> GPTDataset:
         check_token_ids(indexed, tokenizer.vocab_size, run.data.tokenizer_spec().describe())
-        return GPTDataset(indexed, run.model.seq_length, seed=run.seed, shuffle=split == "train")
+        return GPTDataset(indexed, run.model.seq_length, seed=run.seed, shuffle=split == "train", packing=packing)
 
     splits = training.build_datasets(run, make)
     stats_path = first_prefix(run.data) + "_stats.json"

@@ -21,6 +21,7 @@ import json
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -28,6 +29,7 @@ from megazero.activation_checkpointing import checkpoint
 from megazero.meta_device import skeleton
 from megazero.moe.router import SCORE_ORDERS
 from megazero.tensor_parallel import invariant_dropout as keyed
+from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megazero.tensor_parallel.random import get_rng_tracker
 
 
@@ -307,12 +309,20 @@ class AttentionCore(nn.Module):
         self.recompute = recompute
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                attend: torch.Tensor | None = None) -> torch.Tensor:
-        return self.recompute(self.compute, q, k, v, attend)
+                attend: torch.Tensor | None = None, documents: Documents | None = None) -> torch.Tensor:
+        return self.recompute(self.compute, q, k, v, attend, documents)
 
     def compute(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                attend: torch.Tensor | None = None) -> torch.Tensor:
-        """The attention itself (forward adds only the recomputation)."""
+                attend: torch.Tensor | None = None, documents: Documents | None = None) -> torch.Tensor:
+        """The attention itself (forward adds only the recomputation). `documents` (causal only):
+        each query sees the keys before it in its own document."""
+        p = self.dropout if self.training else 0.0
+        if documents is not None:
+            if p and keyed.layout_invariant():  # the math written out anyway: the mask costs nothing more
+                return keyed.softmax_attention(q, k, v, documents.mask(q.device), False,
+                                               keyed.attention_dropout_mask(q, k.shape[2], p, self.layer))
+            with get_rng_tracker().fork():
+                return documents.attention(q, k, v, p)
         mask, is_causal = attend, False
         if self.causal:
             if attend is not None:
@@ -321,10 +331,66 @@ class AttentionCore(nn.Module):
             if past and q.shape[2] > 1:  # query i sees the cache and the first i + 1 new keys
                 mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(diagonal=past)
             is_causal = past == 0
-        p = self.dropout if self.training else 0.0
         if p and keyed.layout_invariant():  # the engine's masks, one per (sample, global head)
             return keyed.softmax_attention(q, k, v, mask, is_causal,
                                            keyed.attention_dropout_mask(q, k.shape[2], p, self.layer))
         with get_rng_tracker().fork():  # attention dropout differs between the TP ranks' heads
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, dropout_p=p,
                                                   enable_gqa=q.shape[1] != k.shape[1])
+
+
+@dataclasses.dataclass(frozen=True)
+class Documents:
+    """The documents packed in each sample of a batch (Megatron's --reset-attention-mask):
+    `spans[b]` lists sample b's documents as [start, end) positions. Attention runs per document,
+    each one torch's causal kernel on its own slice, so no [seq, seq] mask is built."""
+
+    spans: tuple[tuple[tuple[int, int], ...], ...]
+    seq_length: int
+
+    @classmethod
+    def of(cls, document_ids: torch.Tensor) -> Documents:
+        """From document_ids [batch, seq] (non-decreasing along each sample: megazero/data/packing.py)."""
+        spans = []
+        for row in document_ids:
+            _, counts = torch.unique_consecutive(row, return_counts=True)
+            ends = counts.cumsum(0).tolist()
+            spans.append(tuple(zip([0] + ends[:-1], ends)))
+        return cls(tuple(spans), document_ids.shape[1])
+
+    def mask(self, device: torch.device) -> torch.Tensor:
+        """[batch, 1, seq, seq] bool, True where a query sees a key: causal within each document
+        (for the written-out attention of the layout-invariant dropout mode)."""
+        mask = torch.zeros(len(self.spans), 1, self.seq_length, self.seq_length, dtype=torch.bool, device=device)
+        for b, spans in enumerate(self.spans):
+            for start, end in spans:
+                mask[b, 0, start:end, start:end] = torch.ones(end - start, end - start, dtype=torch.bool,
+                                                              device=device).tril()
+        return mask
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+        """Causal attention of each document alone ([batch, heads, seq, d] in and out)."""
+        gqa = q.shape[1] != k.shape[1]
+        rows = [torch.cat([F.scaled_dot_product_attention(q[b:b + 1, :, s:e], k[b:b + 1, :, s:e], v[b:b + 1, :, s:e],
+                                                          is_causal=True, dropout_p=dropout_p, enable_gqa=gqa)
+                           for s, e in spans], dim=2)
+                for b, spans in enumerate(self.spans)]
+        return torch.cat(rows, dim=0)
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, tp_group,
+                   loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean cross-entropy of this TP rank's vocabulary slice of the logits (the whole vocabulary
+    without tensor parallelism; padding columns left out), over the tokens `loss_mask` keeps
+    (Megatron's --eod-mask-loss: sum(loss x mask) / sum(mask); None: every token)."""
+    reduction = "mean" if loss_mask is None else "none"
+    if tp_group is None or dist.get_world_size(tp_group) == 1:
+        losses = F.cross_entropy(logits[..., :vocab_size].float().reshape(-1, vocab_size), labels.reshape(-1),
+                                 reduction=reduction)
+    else:
+        losses = vocab_parallel_cross_entropy(logits, labels, tp_group, vocab_size=vocab_size)
+        losses = losses.mean() if loss_mask is None else losses.reshape(-1)
+    if loss_mask is None:
+        return losses
+    mask = loss_mask.reshape(-1).float()
+    return (losses * mask).sum() / mask.sum().clamp(min=1.0)

@@ -35,10 +35,12 @@ from megazero.tensor_parallel.random import layer_stream
 from models.common import (
     PLAIN,
     AttentionCore,
+    Documents,
     ModelConfig,
     SpeedOptions,
     StageContract,
     causal_lm_batch,
+    causal_lm_loss,
     check_moe,
     check_tp_group,
     dropout,
@@ -124,7 +126,8 @@ class CausalSelfAttention(nn.Module):
         self.proj = tp.RowParallelLinear(config.hidden_size, config.hidden_size, tp_group,
                                          init_method=normal_init(residual_std), sequence_parallel=sp)
 
-    def forward(self, x: torch.Tensor, kv_cache: dict | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache: dict | None = None,
+                documents: Documents | None = None) -> torch.Tensor:
         qkv = self.qkv(x)  # [batch, seq, 3 * local heads * head_dim] (the full sequence under SP)
         batch, seq, _ = qkv.shape
         q, k, v = (t.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2) for t in qkv.chunk(3, dim=2))
@@ -132,7 +135,8 @@ class CausalSelfAttention(nn.Module):
             if "k" in kv_cache:
                 k, v = torch.cat([kv_cache["k"], k], dim=2), torch.cat([kv_cache["v"], v], dim=2)
             kv_cache["k"], kv_cache["v"] = k, v
-        y = self.core(q, k, v).transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim)
+        y = self.core(q, k, v, documents=documents)
+        y = y.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim)
         return self.proj(y)
 
 
@@ -180,12 +184,14 @@ class Block(nn.Module):
     def _dropout(self, x: torch.Tensor, site: int) -> torch.Tensor:
         return dropout(x, self.dropout, self.training, self.layer, site, self.sequence_parallel)
 
-    def forward(self, x: torch.Tensor, kv_cache: dict | None = None) -> torch.Tensor:
-        return self.recompute(self.compute, x, kv_cache)
+    def forward(self, x: torch.Tensor, kv_cache: dict | None = None,
+                documents: Documents | None = None) -> torch.Tensor:
+        return self.recompute(self.compute, x, kv_cache, documents)
 
-    def compute(self, x: torch.Tensor, kv_cache: dict | None = None) -> torch.Tensor:
+    def compute(self, x: torch.Tensor, kv_cache: dict | None = None,
+                documents: Documents | None = None) -> torch.Tensor:
         """The layer itself (forward adds only the recomputation)."""
-        x = x + self._dropout(self.attn(self.ln_1(x), kv_cache), keyed.ATTENTION_OUTPUT)
+        x = x + self._dropout(self.attn(self.ln_1(x), kv_cache, documents), keyed.ATTENTION_OUTPUT)
         return x + self._dropout(self.mlp(self.ln_2(x)), keyed.MLP_OUTPUT)
 
 
@@ -235,20 +241,24 @@ class GPT(StageContract, CausalLMGeneration, nn.Module):
             self.ln_f = tp.LayerNorm(config.hidden_size, config.layernorm_epsilon, tp_group, config.sequence_parallel,
                                      fused=speed_options and config.fused_kernels)
 
-    def embed(self, input_ids: torch.Tensor, first_position: int = 0) -> torch.Tensor:
-        """Token + position embeddings, with dropout (split along the sequence under SP)."""
+    def embed(self, input_ids: torch.Tensor, first_position: int = 0,
+              position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Token + position embeddings (positions from first_position on, or position_ids [batch,
+        seq]), with dropout (split along the sequence under SP)."""
         end = first_position + input_ids.shape[1]
         if end > self.config.seq_length:
             raise ValueError(f"sequence of {end} tokens is longer than seq_length {self.config.seq_length}")
-        x = self.wte(input_ids) + self.wpe(torch.arange(first_position, end, device=input_ids.device))
+        if position_ids is None:
+            position_ids = torch.arange(first_position, end, device=input_ids.device)
+        x = self.wte(input_ids) + self.wpe(position_ids)
         if self.config.sequence_parallel:
             x = tp.scatter_to_sequence_parallel_region(x, self.tp_group)
         return dropout(x, self.config.hidden_dropout_rate, self.training, 0, keyed.EMBEDDING,
                        self.config.sequence_parallel)
 
-    def head(self, x: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
-        """Final LayerNorm and tied output layer: mean loss given labels, else the logits of the
-        vocab_size tokens (the padding columns are left out of both)."""
+    def head(self, x: torch.Tensor, labels: torch.Tensor | None, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Final LayerNorm and tied output layer: mean loss given labels (over the tokens loss_mask
+        keeps), else the logits of the vocab_size tokens (the padding columns are left out of both)."""
         x = self.ln_f(x)
         if self.config.sequence_parallel:
             x = tp.gather_from_sequence_parallel_region(x, self.tp_group)
@@ -258,28 +268,31 @@ class GPT(StageContract, CausalLMGeneration, nn.Module):
         vocab = self.config.vocab_size
         if labels is None:
             return tp.gather_from_tensor_parallel_region(logits, self.tp_group)[..., :vocab]
-        if self.config.tensor_model_parallel_size == 1:
-            return F.cross_entropy(logits[..., :vocab].float().reshape(-1, vocab), labels.reshape(-1))
-        return tp.vocab_parallel_cross_entropy(logits, labels, self.tp_group, vocab_size=vocab).mean()
+        return causal_lm_loss(logits, labels, vocab, self.tp_group, loss_mask)
 
     def forward(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                hidden_states: torch.Tensor | None = None, kv_cache: list[dict] | None = None) -> torch.Tensor:
+                hidden_states: torch.Tensor | None = None, kv_cache: list[dict] | None = None,
+                position_ids: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,
+                loss_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Loss given labels, else logits; a stage without the head returns hidden states.
         kv_cache: one dict per layer, filled by the first call and extended by each later one
-        (generation: later calls pass only the new tokens)."""
+        (generation: later calls pass only the new tokens). position_ids, document_ids, loss_mask
+        [batch, seq]: documents packed in a sample (megazero/data/packing.py): positions, attention
+        within each document, the tokens the loss counts."""
         if kv_cache is not None:  # also one pipeline stage's layers (megazero.pipeline.generation)
             past = kv_cache[0]["k"].shape[2] if "k" in kv_cache[0] else 0
             x = self.embed(input_ids, past) if self.pre_process else hidden_states
             for block, cache in zip(self.blocks, kv_cache):
                 x = block(x, cache)
             return self.head(x, labels) if self.post_process else x
-        x = self.embed(input_ids) if self.pre_process else hidden_states
+        x = self.embed(input_ids, position_ids=position_ids) if self.pre_process else hidden_states
+        documents = Documents.of(document_ids) if document_ids is not None else None
         for layer, block in zip(self.layers, self.blocks):
             layer_stream(layer)  # the layer's dropout masks, whichever stage runs it
-            x = block(x)
+            x = block(x, documents=documents)
         if not self.post_process:
             return x
-        out = self.head(x, labels)
+        out = self.head(x, labels, loss_mask)
         if labels is not None and self.training and self.config.num_experts is not None:
             # the value of the MoE layers' load-balancing and z-losses: their gradient comes through
             # the layers' outputs (megazero/moe/aux_loss.py), so that a stage without the loss trains its own too

@@ -36,10 +36,12 @@ from megazero.tensor_parallel.random import layer_stream
 from models.common import (
     PLAIN,
     AttentionCore,
+    Documents,
     ModelConfig,
     SpeedOptions,
     StageContract,
     causal_lm_batch,
+    causal_lm_loss,
     check_moe,
     check_tp_group,
     dropout,
@@ -119,13 +121,16 @@ class LlamaConfig(ModelConfig):
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary position embedding of x [batch, heads, seq, head_dim] at `positions` [seq]: each
-    pair (x_i, x_{i + head_dim/2}) turned by the angle position x theta^(-2i/head_dim) (the
-    half-split pairing of Hugging Face's Llama, so its q/k weights need no permutation)."""
+    """Rotary position embedding of x [batch, heads, seq, head_dim] at `positions` ([seq], or
+    [batch, seq]: packed documents' own positions): each pair (x_i, x_{i + head_dim/2}) turned by
+    the angle position x theta^(-2i/head_dim) (the half-split pairing of Hugging Face's Llama, so
+    its q/k weights need no permutation)."""
     dim = x.shape[-1]
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=x.device).float() / dim))
-    angles = positions.float()[:, None] * inv_freq[None, :]
+    angles = positions.float()[..., None] * inv_freq
     angles = torch.cat([angles, angles], dim=-1)
+    if positions.dim() == 2:  # [batch, seq, head_dim] -> one angle per sample, shared by the heads
+        angles = angles.unsqueeze(1)
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     first, second = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-second, first], dim=-1) * sin
@@ -164,11 +169,12 @@ class GroupedQueryAttention(nn.Module):
         batch, seq, _ = t.shape
         return t.view(batch, seq, count, self.head_dim).transpose(1, 2)  # [batch, heads, seq, head_dim]
 
-    def forward(self, x: torch.Tensor, kv_cache: dict | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache: dict | None = None, position_ids: torch.Tensor | None = None,
+                documents: Documents | None = None) -> torch.Tensor:
         q = self._heads(self.q(x), self.num_heads)  # the full sequence under SP (gathered by the linear)
         k, v = (self._heads(t, self.num_groups) for t in self.kv(x).chunk(2, dim=2))
         past = kv_cache["k"].shape[2] if kv_cache is not None and "k" in kv_cache else 0
-        positions = torch.arange(past, past + q.shape[2], device=q.device)
+        positions = torch.arange(past, past + q.shape[2], device=q.device) if position_ids is None else position_ids
         q, k = rotate(q, positions, self.rope_theta), rotate(k, positions, self.rope_theta)
         if kv_cache is not None:  # generation: the cache holds this rank's key/value heads only (GQA-sized)
             if past:
@@ -178,7 +184,7 @@ class GroupedQueryAttention(nn.Module):
             groups = torch.arange(self.first_head, self.first_head + self.num_heads, device=q.device)
             groups = groups // self.heads_per_group
             k, v = k.index_select(1, groups), v.index_select(1, groups)
-        y = self.core(q, k, v).transpose(1, 2).flatten(2)
+        y = self.core(q, k, v, documents=documents).transpose(1, 2).flatten(2)
         return self.proj(y)
 
 
@@ -223,12 +229,14 @@ class Block(nn.Module):
     def _dropout(self, x: torch.Tensor, site: int) -> torch.Tensor:
         return dropout(x, self.dropout, self.training, self.layer, site, self.sequence_parallel)
 
-    def forward(self, x: torch.Tensor, kv_cache: dict | None = None) -> torch.Tensor:
-        return self.recompute(self.compute, x, kv_cache)
+    def forward(self, x: torch.Tensor, kv_cache: dict | None = None, position_ids: torch.Tensor | None = None,
+                documents: Documents | None = None) -> torch.Tensor:
+        return self.recompute(self.compute, x, kv_cache, position_ids, documents)
 
-    def compute(self, x: torch.Tensor, kv_cache: dict | None = None) -> torch.Tensor:
+    def compute(self, x: torch.Tensor, kv_cache: dict | None = None, position_ids: torch.Tensor | None = None,
+                documents: Documents | None = None) -> torch.Tensor:
         """The layer itself (forward adds only the recomputation)."""
-        x = x + self._dropout(self.attn(self.norm_1(x), kv_cache), keyed.ATTENTION_OUTPUT)
+        x = x + self._dropout(self.attn(self.norm_1(x), kv_cache, position_ids, documents), keyed.ATTENTION_OUTPUT)
         return x + self._dropout(self.mlp(self.norm_2(x)), keyed.MLP_OUTPUT)
 
 
@@ -289,9 +297,9 @@ class Llama(StageContract, CausalLMGeneration, nn.Module):
         return dropout(x, self.config.hidden_dropout_rate, self.training, 0, keyed.EMBEDDING,
                        self.config.sequence_parallel)
 
-    def head(self, x: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
-        """Final RMSNorm and output layer: mean loss given labels, else the logits of the vocab_size
-        tokens (the padding columns are left out of both)."""
+    def head(self, x: torch.Tensor, labels: torch.Tensor | None, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Final RMSNorm and output layer: mean loss given labels (over the tokens loss_mask keeps),
+        else the logits of the vocab_size tokens (the padding columns are left out of both)."""
         x = self.norm_f(x)
         if not self.tied:
             logits = self.lm_head(x)  # this TP rank's slice of the (padded) vocabulary
@@ -304,15 +312,16 @@ class Llama(StageContract, CausalLMGeneration, nn.Module):
         vocab = self.config.vocab_size
         if labels is None:
             return tp.gather_from_tensor_parallel_region(logits, self.tp_group)[..., :vocab]
-        if self.config.tensor_model_parallel_size == 1:
-            return F.cross_entropy(logits[..., :vocab].float().reshape(-1, vocab), labels.reshape(-1))
-        return tp.vocab_parallel_cross_entropy(logits, labels, self.tp_group, vocab_size=vocab).mean()
+        return causal_lm_loss(logits, labels, vocab, self.tp_group, loss_mask)
 
     def forward(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                hidden_states: torch.Tensor | None = None, kv_cache: list[dict] | None = None) -> torch.Tensor:
+                hidden_states: torch.Tensor | None = None, kv_cache: list[dict] | None = None,
+                position_ids: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,
+                loss_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Loss given labels, else logits; a stage without the head returns hidden states.
         kv_cache: one dict per layer, filled by the first call and extended by each later one
-        (generation, models/generation.py: later calls pass only the new tokens)."""
+        (generation, models/generation.py: later calls pass only the new tokens). position_ids,
+        document_ids, loss_mask [batch, seq]: documents packed in a sample, as GPT's."""
         if kv_cache is not None:
             past = kv_cache[0]["k"].shape[2] if "k" in kv_cache[0] else 0
             new = (input_ids if self.pre_process else hidden_states).shape[1]  # or one pipeline stage's layers
@@ -324,12 +333,13 @@ class Llama(StageContract, CausalLMGeneration, nn.Module):
                 x = block(x, cache)
             return self.head(x, labels) if self.post_process else x
         x = self.embed(input_ids) if self.pre_process else hidden_states
+        documents = Documents.of(document_ids) if document_ids is not None else None
         for layer, block in zip(self.layers, self.blocks):
             layer_stream(layer)  # the layer's dropout masks, whichever stage runs it
-            x = block(x)
+            x = block(x, position_ids=position_ids, documents=documents)
         if not self.post_process:
             return x
-        out = self.head(x, labels)
+        out = self.head(x, labels, loss_mask)
         if labels is not None and self.training and self.config.num_experts is not None:
             # the value of the MoE layers' load-balancing and z-losses: their gradient comes through
             # the layers' outputs (megazero/moe/aux_loss.py), so that a stage without the loss trains its own too

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from megazero.checkpoint.model_files import load_model, saved_model_config_dict, saved_tokenizer_spec
-from megazero.data import IndexedDataset, build_tokenizer
-from megazero.data.tokenizer import add_tokenizer_args, spec_from_args
+from megazero.data import IndexedDataset
+from megazero.data.tokenizer import CHECKPOINT_TOKENIZER, add_tokenizer_args, tokenizer_from_args
 from models.parallelize import MODELS, config_class_for
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -61,7 +61,7 @@ def main(argv=None) -> dict:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--data-path", help="indexed dataset prefix (.bin/.idx)")
     source.add_argument("--text-file", help="raw text, tokenised on the fly")
-    add_tokenizer_args(parser, DEFAULT_TOKENIZER)  # default: the checkpoint's run's tokenizer
+    add_tokenizer_args(parser, DEFAULT_TOKENIZER, CHECKPOINT_TOKENIZER)
     parser.add_argument("--stride", type=int, default=None, help="default: the model's seq_length")
     parser.add_argument("--max-tokens", type=int, default=None, help="evaluate only the first N tokens")
     args = parser.parse_args(argv)
@@ -71,7 +71,10 @@ def main(argv=None) -> dict:
         tokens = torch.from_numpy(np.asarray(IndexedDataset(args.data_path).tokens, dtype=np.int64))
     else:
         with open(args.text_file, encoding="utf-8") as f:
-            tokenizer = build_tokenizer(spec_from_args(args, saved_tokenizer_spec(args.load, args.tag)))
+            spec, tokenizer = tokenizer_from_args(args, saved_tokenizer_spec(args.load, args.tag), args.load)
+            if tokenizer.vocab_size != model.config.vocab_size:
+                raise ValueError(f"the tokenizer {spec.describe()} has {tokenizer.vocab_size} tokens but the model in "
+                                 f"{args.load} was trained with vocab_size {model.config.vocab_size}")
             tokens = torch.tensor(tokenizer.encode(f.read()), dtype=torch.long)
     if args.max_tokens:
         tokens = tokens[:args.max_tokens]

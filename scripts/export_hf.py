@@ -24,8 +24,7 @@ import warnings
 
 from megazero.checkpoint.consolidate import consolidate_fp32_state_dict
 from megazero.checkpoint.model_files import saved_model_config, saved_model_config_dict, saved_tokenizer_spec
-from megazero.data import build_tokenizer
-from megazero.data.tokenizer import add_tokenizer_args, spec_from_args
+from megazero.data.tokenizer import CHECKPOINT_TOKENIZER, add_tokenizer_args, tokenizer_from_args
 from models import hf_bert, hf_llama, hf_mixtral
 from models.bert import BertConfig
 from models.gpt import GPTConfig
@@ -34,6 +33,7 @@ from models.llama import LlamaConfig
 from models.parallelize import config_class_for
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_TOKENIZER = os.path.join(REPO, "data", "gpt2", "shakespeare_tokenizer.model")
 
 
 def main(argv=None) -> str:
@@ -41,12 +41,11 @@ def main(argv=None) -> str:
     parser.add_argument("--load", required=True)
     parser.add_argument("--tag", default=None)
     parser.add_argument("--out", required=True)
-    add_tokenizer_args(parser, os.path.join(REPO, "data", "gpt2", "shakespeare_tokenizer.model"))
+    add_tokenizer_args(parser, DEFAULT_TOKENIZER, CHECKPOINT_TOKENIZER)
     args = parser.parse_args(argv)
     from safetensors.torch import save_file
 
-    spec = spec_from_args(args, saved_tokenizer_spec(args.load, args.tag))
-    tokenizer = build_tokenizer(spec)
+    spec, tokenizer = tokenizer_from_args(args, saved_tokenizer_spec(args.load, args.tag), args.load)
     weights = consolidate_fp32_state_dict(args.load, args.tag)
     family = config_class_for(saved_model_config_dict(args.load, args.tag) or {})
     if family is BertConfig:
@@ -82,8 +81,8 @@ def main(argv=None) -> str:
     with open(os.path.join(args.out, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=1)
     tokenizer.save_for_transformers(args.out)
-    print(f"wrote {args.out}: {hf_config['architectures'][0]}, {sum(t.numel() for t in state.values()):,} tensors' "
-          f"elements")
+    print(f"wrote {args.out}: {hf_config['architectures'][0]}, {sum(t.numel() for t in state.values()):,} weights, "
+          f"tokenizer {spec.describe()}")
     return args.out
 
 

@@ -27,8 +27,7 @@ import torch.distributed as dist
 from megazero.checkpoint.consolidate import consolidate_fp32_state_dict
 from megazero.checkpoint.model_files import load_model, saved_model_config_dict, saved_tokenizer_spec
 from megazero.checkpoint.universal import local_shard
-from megazero.data import build_tokenizer
-from megazero.data.tokenizer import add_tokenizer_args, spec_from_args
+from megazero.data.tokenizer import CHECKPOINT_TOKENIZER, add_tokenizer_args, tokenizer_from_args
 from megazero.model_contract import global_name_of
 from models.parallelize import MODELS, build_stage, config_class_for
 
@@ -40,7 +39,7 @@ def main(argv=None) -> str:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--load", required=True, help="checkpoint directory (any TP/PP/DP layout, any ZeRO stage)")
     parser.add_argument("--tag", default=None)
-    add_tokenizer_args(parser, DEFAULT_TOKENIZER)  # default: the checkpoint's run's tokenizer
+    add_tokenizer_args(parser, DEFAULT_TOKENIZER, CHECKPOINT_TOKENIZER)
     parser.add_argument("--prompt", default="ROMEO:\n")
     parser.add_argument("--max-new-tokens", type=int, default=100)
     parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
@@ -53,8 +52,7 @@ def main(argv=None) -> str:
     parser.add_argument("--tensor-model-parallel-size", type=int, default=1,
                         help="under torchrun: each stage split over this many tensor-parallel ranks")
     args = parser.parse_args(argv)
-    spec = spec_from_args(args, saved_tokenizer_spec(args.load, args.tag))
-    tokenizer = build_tokenizer(spec)
+    spec, tokenizer = tokenizer_from_args(args, saved_tokenizer_spec(args.load, args.tag), args.load)
     saved = saved_model_config_dict(args.load, args.tag) or {}
     config_class = config_class_for(saved)  # GPT or Llama
     grid = None

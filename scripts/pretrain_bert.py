@@ -90,6 +90,9 @@ def run_validation(engine, valid: dict[str, BertDataset], weights: dict[str, flo
 
 def main(argv: list[str] | None = None) -> dict:
     run = parse_run(BertRun, argv, RUN_FILE, __doc__)
+    if run.data.document_packing(eod=0).enabled:
+        raise SystemExit("[megazero] --reset-position-ids, --reset-attention-mask and --eod-mask-loss pack documents "
+                         "into GPT/Llama samples; BERT's samples are sentence pairs of one document")
     rank, grid, tokenizer = training.start_run(run)
 
     # the model: this rank's part of it (tensor shard, pipeline stage), and its size for the logs

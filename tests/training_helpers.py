@@ -28,6 +28,7 @@ TINY_LLAMA = dict(vocab_size=256, seq_length=32, num_layers=2, hidden_size=64, n
 FAMILY = "family"  # a model_overrides key: the model family build_engine builds ("gpt" by default)
 # a model_overrides key: Megatron's --num-layers-per-virtual-pipeline-stage (the interleaved schedule)
 LAYERS_PER_VIRTUAL_STAGE = "num_layers_per_virtual_pipeline_stage"
+PACKING = "packing"  # a model_overrides key: the GPTDataset's DocumentPacking (documents packed in a sample)
 FAMILIES = {"gpt": (GPTConfig, TINY), "llama": (LlamaConfig, TINY_LLAMA)}
 
 
@@ -49,12 +50,14 @@ def base_config(**overrides) -> dict:
 def build_engine(config: dict, prefix: str, seed: int = 0, model_overrides: dict | None = None,
                  layout: tuple[int, int] | None = None):
     """Seeded tiny GPT (or the model_overrides' FAMILY: TINY_LLAMA; LAYERS_PER_VIRTUAL_STAGE: model
-    chunks for the interleaved schedule) + engine over the indexed dataset at `prefix`; layout =
-    (TP, PP) builds the model-parallel grid first (DP is what remains of the world)."""
+    chunks for the interleaved schedule; PACKING: the samples' document fields) + engine over the
+    indexed dataset at `prefix`; layout = (TP, PP) builds the model-parallel grid first (DP is what
+    remains of the world)."""
     megazero.set_seed(seed)
     overrides = dict(model_overrides or {})
     config_class, tiny = FAMILIES[overrides.pop(FAMILY, "gpt")]
     virtual = overrides.pop(LAYERS_PER_VIRTUAL_STAGE, None)
+    packing = overrides.pop(PACKING, None)
     grid = None
     if layout is not None:
         grid = parallel_state.initialize_model_parallel(*layout)
@@ -62,7 +65,7 @@ def build_engine(config: dict, prefix: str, seed: int = 0, model_overrides: dict
     # the engine config's pipeline.partition_method, as the recipes read it
     split = config.get("pipeline", {}).get("partition_method", "parameters")
     model = parallelize(config_class(**{**tiny, **overrides}), grid, virtual, split)
-    dataset = GPTDataset(IndexedDataset(prefix), TINY["seq_length"], seed=seed)
+    dataset = GPTDataset(IndexedDataset(prefix), TINY["seq_length"], seed=seed, packing=packing)
     engine, _, loader, _ = megazero.initialize(model=model, training_data=dataset, config=config,
                                                mpu=parallel_state if grid is not None else None)
     return engine, loader

@@ -40,20 +40,17 @@ def saved_model_config_dict(checkpoint_dir: str, tag: str | None = None) -> dict
 
 
 def saved_tokenizer_spec(checkpoint_dir: str, tag: str | None = None) -> TokenizerSpec | None:
-    """The tokenizer the checkpoint names: that of the recipe run that saved it (its run config's
-    data section), or of the Hugging Face directory it was imported from. None when it names none
-    (saved outside a recipe) or the files are gone."""
+    """The tokenizer the checkpoint names (its paths; the files are not copied): that of the recipe
+    run that saved it (its run config's data section), or of the Hugging Face directory it was
+    imported from. None when it names none (saved outside a recipe)."""
     client = load_file(_first_model_file(checkpoint_dir, tag)).get("client_state") or {}
     data = (client.get("run_config") or {}).get("data") or {}
-    if data.get("tokenizer_type"):
-        spec = TokenizerSpec(data["tokenizer_type"], data.get("tokenizer_model"), data.get("vocab_file"),
-                             data.get("merge_file"))
-    elif client.get("tokenizer"):
-        spec = TokenizerSpec(**client["tokenizer"])
-    else:
-        return None
-    files = [spec.vocab_file, spec.merge_file] if spec.type == "gpt2bpe" else [spec.model]
-    return spec if all(f and os.path.exists(f) for f in files) else None
+    if data.get("tokenizer_type") or data.get("tokenizer_model"):  # a run config without a type: sentencepiece
+        return TokenizerSpec(data.get("tokenizer_type") or "sentencepiece", data.get("tokenizer_model"),
+                             data.get("vocab_file"), data.get("merge_file"))
+    if client.get("tokenizer"):
+        return TokenizerSpec(**client["tokenizer"])
+    return None
 
 
 def saved_model_config(checkpoint_dir: str, tag: str | None = None, *, config_class):

@@ -162,6 +162,12 @@ class DataSection(RunSection):
                           "file (default: P_tokenizer.model of the first prefix, or the one P_stats.json names)")
     vocab_file: str | None = Field(None, description="GPT2BPETokenizer: GPT-2's vocab.json")
     merge_file: str | None = Field(None, description="GPT2BPETokenizer: GPT-2's merges.txt")
+    reset_position_ids: bool = Field(False, description="GPT/Llama: positions restart after each end-of-document "
+                                                        "token of a sample")
+    reset_attention_mask: bool = Field(False, description="GPT/Llama: a token attends to the earlier tokens of its "
+                                                          "own document only (per-document causal attention)")
+    eod_mask_loss: bool = Field(False, description="GPT/Llama: no loss where the input token is the end-of-document "
+                                                   "token (the prediction across a document boundary)")
 
     def checked(self) -> DataSection:
         """This section with the data paths checked (one of --data-path or --train-data-path, each a
@@ -181,6 +187,12 @@ class DataSection(RunSection):
                             lambda: default_tokenizer(first_prefix(self))).absolute()
         return self.model_copy(update={"tokenizer_type": spec.type, "tokenizer_model": spec.model,
                                        "vocab_file": spec.vocab_file, "merge_file": spec.merge_file})
+
+    def document_packing(self, eod: int):
+        """The megazero.data.packing.DocumentPacking of the three document flags, ending documents at `eod`."""
+        from megazero.data.packing import DocumentPacking
+
+        return DocumentPacking(eod, self.reset_position_ids, self.reset_attention_mask, self.eod_mask_loss)
 
     def tokenizer_spec(self):
         """The run's megazero.data.TokenizerSpec (of a checked section)."""

@@ -22,6 +22,10 @@ TOKENIZER_TYPES = {"GPTSentencePieceTokenizer": "sentencepiece", "SentencePieceT
                    "sentencepiece": "sentencepiece", "hf": "hf", "tiktoken": "tiktoken", "gpt2bpe": "gpt2bpe"}
 
 
+# what the tools' --help says their tokenizer default is
+CHECKPOINT_TOKENIZER = "the checkpoint's (its training run's), else sentencepiece data/gpt2/shakespeare_tokenizer.model"
+
+
 class Tokenizer(Protocol):
     """What megazero asks of a tokenizer."""
 
@@ -133,11 +137,14 @@ def resolve_spec(kind: str | None, model: str | None, vocab_file: str | None, me
     return TokenizerSpec(kind, model, vocab_file, merge_file).checked()
 
 
-def add_tokenizer_args(parser: argparse.ArgumentParser, default_model: str | None = None) -> None:
+def add_tokenizer_args(parser: argparse.ArgumentParser, default_model: str | None = None,
+                       default_help: str = "sentencepiece") -> None:
     """Megatron's tokenizer flags on a script's parser (`default_model`: the sentencepiece model
-    used when no flag is given and the script has nothing better)."""
+    used when no flag is given and the script has nothing better; `default_help`: what --help says
+    the default is)."""
     parser.add_argument("--tokenizer-type", default=None,
-                        help=f"one of {', '.join(TOKENIZER_TYPES)} (default sentencepiece; gpt2bpe with --vocab-file)")
+                        help=f"one of {', '.join(TOKENIZER_TYPES)} (default: {default_help}; gpt2bpe with "
+                             f"--vocab-file)")
     parser.add_argument("--tokenizer-model", default=None,
                         help="sentencepiece .model, Hugging Face tokenizer directory or tokenizer.json, or .tiktoken "
                              "file")
@@ -149,6 +156,20 @@ def add_tokenizer_args(parser: argparse.ArgumentParser, default_model: str | Non
 def given_tokenizer(args: argparse.Namespace) -> bool:
     """Whether any of add_tokenizer_args' flags was given."""
     return any(v is not None for v in (args.tokenizer_type, args.tokenizer_model, args.vocab_file))
+
+
+def tokenizer_from_args(args: argparse.Namespace, saved: TokenizerSpec | None, checkpoint_dir: str):
+    """(spec, tokenizer) of the tokenizer flags; without them the one the checkpoint names
+    (`saved`), else the script's default. One that cannot be loaded stops the script, naming where
+    it came from and the files."""
+    spec = spec_from_args(args, saved)
+    try:
+        return spec, build_tokenizer(spec)
+    except (FileNotFoundError, ValueError) as e:
+        named = (f"{checkpoint_dir} was trained with the tokenizer {spec.describe()}, which does not load"
+                 if saved is not None and not given_tokenizer(args) else f"tokenizer {spec.describe()}")
+        raise SystemExit(f"{named}: {e}; give the tokenizer with --tokenizer-type and --tokenizer-model (or "
+                         f"--vocab-file and --merge-file)") from None
 
 
 def spec_from_args(args: argparse.Namespace, fallback: TokenizerSpec | None = None) -> TokenizerSpec:

@@ -101,24 +101,30 @@ class HuggingFaceTokenizer:
 
 
 def _load(path: str):
-    """A transformers tokenizer from a directory (AutoTokenizer) or a bare tokenizer.json."""
+    """A transformers tokenizer from a directory (AutoTokenizer; one holding only tokenizer.json:
+    that file) or a bare tokenizer.json, its eos_token set from EOD_CANDIDATES where it names none."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     if os.path.isdir(path):
-        if not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        has = {f for f in ("tokenizer.json", "tokenizer_config.json") if os.path.isfile(os.path.join(path, f))}
+        if not has:
             raise FileNotFoundError(f"{path}: no tokenizer.json or tokenizer_config.json (a Hugging Face tokenizer "
                                     f"saved with save_pretrained)")
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    if not os.path.isfile(path):
+        if has == {"tokenizer.json"}:
+            return _load(os.path.join(path, "tokenizer.json"))
+        hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    elif not os.path.isfile(path):
         raise FileNotFoundError(f"tokenizer not found: {path} (a tokenizer.json or a directory holding one)")
-    with open(path) as f:
-        try:
-            vocab = json.load(f).get("model", {}).get("vocab", {})
-        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
-            raise ValueError(f"{path}: not a Hugging Face tokenizer.json ({e})") from None
-    hf = PreTrainedTokenizerFast(tokenizer_file=path, clean_up_tokenization_spaces=False)
-    added = {t.content for t in hf.added_tokens_decoder.values()}
-    eod = next((t for t in EOD_CANDIDATES if t in added or t in vocab), None)
-    if eod is not None:
-        hf.eos_token = eod
+    else:
+        with open(path) as f:
+            try:
+                json.load(f)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ValueError(f"{path}: not a Hugging Face tokenizer.json ({e})") from None
+        hf = PreTrainedTokenizerFast(tokenizer_file=path, clean_up_tokenization_spaces=False)
+    if hf.eos_token is None:
+        vocab = hf.get_vocab()
+        eod = next((t for t in EOD_CANDIDATES if t in vocab), None)
+        if eod is not None:
+            hf.eos_token = eod
     return hf

@@ -22,12 +22,20 @@ def train_sentencepiece(files: list[str], model_prefix: str, vocab_size: int = 8
     import sentencepiece as spm
 
     os.makedirs(os.path.dirname(model_prefix) or ".", exist_ok=True)
+    try:
+        _train(spm, files, model_prefix, vocab_size, model_type, num_threads, special_tokens)
+    except RuntimeError as e:  # sentencepiece's INTERNAL errors, e.g. a vocabulary larger than the corpus allows
+        hint = " (a smaller --vocab-size)" if "Vocabulary size" in str(e) else ""
+        raise ValueError(f"training a sentencepiece tokenizer on {files}: {str(e).splitlines()[-1]}{hint}") from None
+    return model_prefix + ".model"
+
+
+def _train(spm, files, model_prefix, vocab_size, model_type, num_threads, special_tokens) -> None:
     spm.SentencePieceTrainer.train(
         input=files, model_prefix=model_prefix, vocab_size=vocab_size, model_type=model_type,
         user_defined_symbols=[NEWLINE, *special_tokens], add_dummy_prefix=False, remove_extra_whitespaces=False,
         normalization_rule_name="identity", byte_fallback=True, character_coverage=1.0,
         num_threads=num_threads, minloglevel=2)
-    return model_prefix + ".model"
 
 
 class SentencePieceTokenizer:
@@ -100,12 +108,15 @@ class SentencePieceTokenizer:
 
     def save_for_transformers(self, directory: str) -> None:
         """tokenizer.model and a tokenizer_config.json with which AutoTokenizer loads it as a
-        LlamaTokenizer giving these ids and this text (no BOS or EOS added, no prefix space)."""
+        LlamaTokenizer giving these ids and this text (no BOS or EOS added, no prefix space,
+        special-token text such as "</s>" encoded as text)."""
         import json
 
         sp = self.sp
+        # split_special_tokens: "</s>" in a text is text, as sentencepiece encodes it, not the special id
         config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": False, "add_eos_token": False,
                   "legacy": False, "add_prefix_space": False, "clean_up_tokenization_spaces": False,
+                  "split_special_tokens": True,
                   "bos_token": sp.id_to_piece(sp.bos_id()), "eos_token": sp.id_to_piece(sp.eos_id()),
                   "unk_token": sp.id_to_piece(sp.unk_id()), "model_max_length": 1_000_000_000}
         for role, piece in (("pad_token", "[PAD]"), ("cls_token", "[CLS]"), ("sep_token", "[SEP]"),

@@ -87,5 +87,6 @@ class TikTokenizer:
         converted = TikTokenConverter(vocab_file=self.path, pattern=PATTERN,
                                       extra_special_tokens=SPECIAL_TOKENS).converted()
         hf = PreTrainedTokenizerFast(tokenizer_object=converted, bos_token=BOS, eos_token=EOD,
-                                     clean_up_tokenization_spaces=False, model_max_length=1_000_000_000)
+                                     clean_up_tokenization_spaces=False, model_max_length=1_000_000_000,
+                                     split_special_tokens=True)  # special-token text is text, as encode_ordinary
         hf.save_pretrained(directory)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from megazero.checkpoint.model_files import load_model
 from models.llama import Llama, LlamaConfig
 from tests.conftest import CORPUS_PREFIX, REPO
-from tests.hf_helpers import require_transformers
+from tests.hf_helpers import require_transformers, transformers_windowed_loss
 from tests.training_helpers import FAMILY, base_config, build_engine, global_mean, train
 
 TOKENIZER = CORPUS_PREFIX + "_tokenizer.model"
@@ -100,14 +100,9 @@ def test_evaluate_text_file_matches_transformers(checkpoints, corpus_prefix, tmp
     hf_dir = _export(checkpoints["tp2_kv_replicated"], str(tmp_path / "hf"))
     hf, tokenizer = LlamaForCausalLM.from_pretrained(hf_dir).eval(), AutoTokenizer.from_pretrained(hf_dir)
     ids = torch.tensor(tokenizer(text_file.read_text())["input_ids"])
-    window, total = hf.config.max_position_embeddings, 0.0
-    with torch.no_grad():  # evaluate.py's default windows: seq_length tokens, no overlap, every target once
-        for start in range(0, len(ids) - 1, window):
-            end = min(start + window, len(ids) - 1)
-            logits = hf(ids[start:end].unsqueeze(0)).logits[0]
-            total += float(F.cross_entropy(logits, ids[start + 1:end + 1], reduction="sum"))
     assert result["tokens"] == len(ids) - 1
-    assert result["loss"] == pytest.approx(total / (len(ids) - 1), rel=1e-4)
+    expected = transformers_windowed_loss(hf, ids, hf.config.max_position_embeddings)
+    assert result["loss"] == pytest.approx(expected, rel=1e-4)
 
 
 # a random LlamaForCausalLM of TINY_LLAMA's shape, with its own rotary base and RMSNorm epsilon

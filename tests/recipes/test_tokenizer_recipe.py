@@ -12,10 +12,9 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from tests.conftest import REPO
-from tests.hf_helpers import require_transformers
+from tests.hf_helpers import require_transformers, transformers_windowed_loss
 from tests.tokenizer_helpers import HELD_OUT
 
 pytestmark = pytest.mark.slow
@@ -83,14 +82,8 @@ def test_gpt_trained_with_a_tokenizer_json_exports_with_evaluates_loss(byte_leve
     model, tokenizer = GPT2LMHeadModel.from_pretrained(out).eval(), AutoTokenizer.from_pretrained(out)
     assert model.config.vocab_size == len(tokenizer) == 1000  # the tokenizer.json's, not the corpus default's
     ids = torch.tensor(tokenizer(text_file.read_text())["input_ids"])
-    window, total = model.config.n_positions, 0.0
-    with torch.no_grad():  # evaluate.py's default windows: seq_length tokens, no overlap, every target once
-        for start in range(0, len(ids) - 1, window):
-            end = min(start + window, len(ids) - 1)
-            logits = model(ids[start:end].unsqueeze(0)).logits[0]
-            total += float(F.cross_entropy(logits, ids[start + 1:end + 1], reduction="sum"))
     assert result["tokens"] == len(ids) - 1
-    assert result["loss"] == pytest.approx(total / (len(ids) - 1), rel=1e-4)
+    assert result["loss"] == pytest.approx(transformers_windowed_loss(model, ids, model.config.n_positions), rel=1e-4)
 
     # imported back, the checkpoint names the directory's own tokenizer: generation, with no tokenizer
     # flag, reads and writes the same text as from the checkpoint trained with the tokenizer.json

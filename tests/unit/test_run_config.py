@@ -182,3 +182,11 @@ def test_a_non_finite_flag_value_is_refused_naming_it(flag, value, capsys):
         _parse(flag, value)
     err = capsys.readouterr().err
     assert flag[2:].replace("-", "_") in err and ("finite" in err or f"got {float(value)}" in err), err
+
+
+def test_megatrons_document_flags_give_the_samples_packing():
+    from megazero.data.packing import DocumentPacking
+
+    run = _parse("--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss")
+    assert run.data.document_packing(eod=3) == DocumentPacking(3, True, True, True)
+    assert not _parse().data.document_packing(eod=3).enabled

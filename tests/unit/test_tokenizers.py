@@ -5,6 +5,7 @@ loading with transformers' AutoTokenizer giving megazero's ids and text."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 import pytest
@@ -106,6 +107,39 @@ def test_missing_and_malformed_files_name_the_problem(tmp_path):
         build_tokenizer(TokenizerSpec("gpt2bpe", vocab_file=SENTENCEPIECE, merge_file=str(tmp_path / "merges.txt")))
 
 
+def test_a_directory_with_only_tokenizer_json_and_a_too_small_corpus(byte_level_bpe, tmp_path):
+    import shutil
+
+    from megazero.data import train_sentencepiece
+
+    (tmp_path / "only_json").mkdir()
+    shutil.copy(byte_level_bpe["tokenizer_json"], tmp_path / "only_json" / "tokenizer.json")
+    assert build_tokenizer(TokenizerSpec("hf", str(tmp_path / "only_json"))).eod == reference_eod(byte_level_bpe)
+    (tmp_path / "small.txt").write_text(HELD_OUT * 3)
+    with pytest.raises(ValueError, match=r"Vocabulary size too high \(8000\).* \(a smaller --vocab-size\)"):
+        train_sentencepiece([str(tmp_path / "small.txt")], str(tmp_path / "tok"), 8000)
+
+
+def test_a_checkpoints_tokenizer_that_is_gone_is_named_not_replaced(tmp_path):
+    from scripts.evaluate import main as evaluate
+    from scripts.export_hf import main as export
+    from scripts.generate import main as generate
+
+    gone = TokenizerSpec("hf", str(tmp_path / "moved" / "tokenizer.json"))
+    config = GPTConfig(vocab_size=1000, seq_length=16, num_layers=1, hidden_size=32, num_attention_heads=2)
+    load = str(tmp_path / "ckpt")
+    write_weights_checkpoint(config, GPT(config).state_dict(), load, model_class=GPT,
+                             client_state={"tokenizer": gone.to_dict()})
+    (tmp_path / "held.txt").write_text(HELD_OUT)
+    expected = r"ckpt was trained with the tokenizer hf .*moved/tokenizer.json, which does not load: tokenizer not"
+    for tool in (lambda: evaluate(["--load", load, "--text-file", str(tmp_path / "held.txt")]),
+                 lambda: generate(["--load", load]), lambda: export(["--load", load, "--out", str(tmp_path / "hf")])):
+        with pytest.raises(SystemExit, match=expected):
+            tool()
+    with pytest.raises(ValueError, match="has 8000 tokens but the model in .* was trained with vocab_size 1000"):
+        evaluate(["--load", load, "--text-file", str(tmp_path / "held.txt"), "--tokenizer-model", SENTENCEPIECE])
+
+
 def _family_checkpoint(tmp_path, family: str, vocab: int) -> str:
     """A weights-only checkpoint of a seeded random tiny model of `family` with `vocab` tokens."""
     shape = dict(vocab_size=vocab, seq_length=16, num_layers=1, hidden_size=32, num_attention_heads=2)
@@ -128,25 +162,62 @@ def _family_checkpoint(tmp_path, family: str, vocab: int) -> str:
 def test_every_export_loads_with_autotokenizer_giving_megazeros_ids(kind, family, byte_level_bpe, corpus_prefix,
                                                                     tmp_path):
     require_transformers()
-    import json
-
     from transformers import AutoTokenizer
 
     from scripts.export_hf import main as export
 
     spec = spec_of(kind, byte_level_bpe)
     ours = build_tokenizer(spec)
-    flags = (["--vocab-file", spec.vocab_file, "--merge-file", spec.merge_file] if spec.vocab_file
-             else ["--tokenizer-model", spec.model])
     out = export(["--load", _family_checkpoint(tmp_path, family, ours.vocab_size), "--out", str(tmp_path / "hf"),
-                  "--tokenizer-type", spec.type, *flags])
+                  *_flags(spec)])
     hf = AutoTokenizer.from_pretrained(out)
-    ids = hf(HELD_OUT)["input_ids"]
-    assert ids == ours.encode(HELD_OUT)
-    assert hf.decode(ids) == ours.decode(ids) == HELD_OUT
+    text = HELD_OUT + " literal </s> <s> <unk> <|end_of_text|> [MASK]"  # special-token text: the same ids
+    ids = hf(text)["input_ids"]
+    assert ids == ours.encode(text)
+    assert hf.decode(ids) == ours.decode(ids) == text
     assert len(hf) == ours.vocab_size and hf.eos_token_id == ours.eod
     with open(os.path.join(out, "config.json")) as f:
         config = json.load(f)
     assert config["vocab_size"] == ours.vocab_size
     if family != "bert":
         assert config["eos_token_id"] == ours.eod
+
+
+def _flags(spec: TokenizerSpec) -> list[str]:
+    files = (["--vocab-file", spec.vocab_file, "--merge-file", spec.merge_file] if spec.vocab_file
+             else ["--tokenizer-model", spec.model])
+    return ["--tokenizer-type", spec.type, *files]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_preprocessing_evaluation_and_generation_take_every_type(kind, byte_level_bpe, corpus_prefix, tmp_path):
+    from megazero.data import IndexedDataset
+    from scripts.evaluate import main as evaluate
+    from scripts.generate import main as generate
+    from scripts.preprocess_data import main as preprocess
+
+    spec = spec_of(kind, byte_level_bpe)
+    ours = build_tokenizer(spec)
+    plays = sorted(os.listdir(os.path.join(os.path.dirname(SENTENCEPIECE), "..", "shakespeare")))[-3:]
+    inputs = [os.path.join(os.path.dirname(SENTENCEPIECE), "..", "shakespeare", p) for p in plays]
+    outputs = []
+    for workers in ("1", "2"):
+        prefix = str(tmp_path / f"w{workers}" / "p")
+        preprocess(["--input", *inputs, "--output-prefix", prefix, "--valid-fraction", "0", "--workers", workers,
+                    "--chunk-mb", "0.1", "--log-interval", "10", *_flags(spec)])
+        outputs.append(open(prefix + "_text_document.bin", "rb").read())
+        with open(prefix + "_stats.json") as f:
+            assert json.load(f)["tokenizer"]["type"] == spec.checked().type
+    assert outputs[0] == outputs[1]  # byte-identical for any number of workers
+    with open(inputs[0], encoding="utf-8") as f:
+        first = ours.encode(f.read().replace("\r\n", "\n")) + [ours.eod]
+    tokens = IndexedDataset(str(tmp_path / "w1" / "p") + "_text_document").tokens
+    assert tokens[:len(first)].tolist() == first
+
+    load = _family_checkpoint(tmp_path, "gpt", ours.vocab_size)
+    (tmp_path / "held.txt").write_text(HELD_OUT)
+    result = evaluate(["--load", load, "--text-file", str(tmp_path / "held.txt"), *_flags(spec)])
+    assert result["tokens"] == len(ours.encode((tmp_path / "held.txt").read_text())) - 1
+    text = generate(["--load", load, "--prompt", "ROMEO:", "--max-new-tokens", "5", "--temperature", "0",
+                     *_flags(spec)])
+    assert text.startswith("ROMEO:")
