@@ -1,0 +1,65 @@
+"""Context-parallel collectives as autograd functions: each forward has its gradient's collective
+in backward. The group is an argument; nothing here reads global state."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class _AllToAll(torch.autograd.Function):
+    """Split dim 0 into world parts, send part i to rank i, concatenate what arrives along dim 0;
+    backward is the same exchange of the gradients."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return _exchange(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _exchange(grad, ctx.group), None
+
+
+def _exchange(x: torch.Tensor, group) -> torch.Tensor:
+    x = x.contiguous()  # first: empty_like keeps a view's strides, and the collective writes contiguously
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+def all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    """Rank i receives every rank's i-th slice of dim 0, in rank order (autograd: the reverse exchange)."""
+    return _AllToAll.apply(x, group)
+
+
+class _RingShift(torch.autograd.Function):
+    """Send x to the next rank of the ring, receive the previous rank's; backward sends the
+    gradient the other way."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return _shift(x.contiguous(), group, +1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _shift(grad.contiguous(), ctx.group, -1), None
+
+
+def _shift(x: torch.Tensor, group, step: int) -> torch.Tensor:
+    x = x.contiguous()
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    to = dist.get_global_rank(group, (rank + step) % world)
+    source = dist.get_global_rank(group, (rank - step) % world)
+    out = torch.empty_like(x)
+    requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, to, group),
+                                       dist.P2POp(dist.irecv, out, source, group)])
+    for request in requests:
+        request.wait()
+    return out
+
+
+def ring_shift(x: torch.Tensor, group) -> torch.Tensor:
+    """The previous ring rank's x (autograd: the gradient goes back to it)."""
+    return _RingShift.apply(x, group)

@@ -1,0 +1,151 @@
+"""Ring attention (Megatron-Core's p2p context parallelism): each rank keeps its query tokens and
+the key/value blocks travel round the ring of the context-parallel group, the next block's
+exchange running while the current block computes. Each block's attention is merged into the
+running output by the log-sum-exp rule
+
+    lse = logaddexp(lse_a, lse_b),  out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b
+
+which equals softmax attention over the union of the blocks. Tokens are in the load-balanced
+order (megazero.context_parallel.split: rank r holds chunks r and 2 CP - 1 - r); under the causal
+mask a query chunk sees earlier chunks whole, its own chunk causally and later chunks not at all,
+and those block pairs are skipped.
+
+Only q, k, v, the output and the log-sum-exp are kept for backward (no block's probabilities):
+backward recomputes each block's probabilities from the final log-sum-exp, as flash attention
+does, and the key/value gradients travel round the ring with their block and a last hop takes
+them home.
+
+q is [batch, heads, tokens here, d], k and v [batch, key/value heads, tokens here, d] (grouped-query
+attention: each key/value head serves consecutive query heads).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from megazero.context_parallel.split import chunk_ids
+
+
+class _Shift:
+    """One ring hop of a tensor, started now and waited for later (the overlap)."""
+
+    def __init__(self, x: torch.Tensor, group):
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.out = torch.empty_like(x)
+        self.requests = dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, x, dist.get_global_rank(group, (rank + 1) % world), group),
+            dist.P2POp(dist.irecv, self.out, dist.get_global_rank(group, (rank - 1) % world), group)])
+
+    def result(self) -> torch.Tensor:
+        """The previous rank's tensor."""
+        for request in self.requests:
+            request.wait()
+        return self.out
+
+
+def _pairs(cp_size: int, cp_rank: int, source: int, causal: bool):
+    """(query half, key/value half, causal within the pair) of the block pairs to compute when this
+    rank holds the block of `source` (fully masked pairs left out)."""
+    for i, q_id in enumerate(chunk_ids(cp_size, cp_rank)):
+        for j, kv_id in enumerate(chunk_ids(cp_size, source)):
+            if not causal or kv_id < q_id:
+                yield i, j, False
+            elif kv_id == q_id:
+                yield i, j, True
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
+    scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+    if causal:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores
+
+
+def _halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    half = x.shape[2] // 2
+    return x[:, :, :half], x[:, :, half:]
+
+
+def _expand(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """Key/value heads repeated to one per query head."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def _fold(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The gradient of _expand: each key/value head's query heads summed."""
+    b, h, s, d = grad.shape
+    return grad if h == kv_heads else grad.view(b, kv_heads, h // kv_heads, s, d).sum(2)
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
+           block_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The running (output, log-sum-exp) with one more block's merged in."""
+    merged = torch.logaddexp(lse, block_lse)
+    return out * torch.exp(lse - merged)[..., None] + block_out * torch.exp(block_lse - merged)[..., None], merged
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal):
+        cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
+        heads = q.shape[1]
+        qf = q.float()
+        out = [torch.zeros_like(half) for half in _halves(qf)]
+        lse = [torch.full(half.shape[:3], float("-inf"), device=q.device) for half in _halves(qf)]
+        kv = torch.stack([k, v]).contiguous()
+        for step in range(cp_size):
+            coming = _Shift(kv, group) if step < cp_size - 1 else None
+            keys, values = (_halves(_expand(t.float(), heads)) for t in kv)
+            for i, j, pair_causal in _pairs(cp_size, cp_rank, (cp_rank - step) % cp_size, causal):
+                scores = _scores(_halves(qf)[i], keys[j], pair_causal)
+                block_lse = torch.logsumexp(scores, dim=-1)
+                block_out = torch.matmul(torch.exp(scores - block_lse[..., None]), values[j])
+                out[i], lse[i] = _merge(out[i], lse[i], block_out, block_lse)
+            if coming is not None:
+                kv = coming.result()
+        out, lse = torch.cat(out, dim=2), torch.cat(lse, dim=2)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.causal = group, causal
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, causal = ctx.group, ctx.causal
+        cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
+        heads, kv_heads = q.shape[1], k.shape[1]
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        qf, dout = q.float(), grad_out.float()
+        delta = (dout * out).sum(-1)  # rowsum(dO o O), flash attention's D
+        q_h, dout_h, lse_h, delta_h = _halves(qf), _halves(dout), _halves(lse[..., None]), _halves(delta[..., None])
+        dq = [torch.zeros_like(half) for half in q_h]
+        kv = torch.stack([k, v]).contiguous()
+        dkv = torch.zeros(2, *q.shape[:2], k.shape[2], q.shape[3], device=q.device)  # expanded heads, fp32
+        for step in range(cp_size):
+            coming = _Shift(kv, group) if step < cp_size - 1 else None
+            keys, values = (_halves(_expand(t.float(), heads)) for t in kv)
+            dk, dv = (list(_halves(g)) for g in dkv)
+            for i, j, pair_causal in _pairs(cp_size, cp_rank, (cp_rank - step) % cp_size, causal):
+                probs = torch.exp(_scores(q_h[i], keys[j], pair_causal) - lse_h[i])
+                dv[j] = dv[j] + torch.matmul(probs.transpose(-2, -1), dout_h[i])
+                dscores = probs * (torch.matmul(dout_h[i], values[j].transpose(-2, -1)) - delta_h[i]) * scale
+                dq[i] = dq[i] + torch.matmul(dscores, keys[j])
+                dk[j] = dk[j] + torch.matmul(dscores.transpose(-2, -1), q_h[i])
+            dkv = _Shift(torch.stack([torch.cat(dk, dim=2), torch.cat(dv, dim=2)]), group).result()  # on with its block
+            if coming is not None:
+                kv = coming.result()
+        # after CP hops every block's gradient is back with its block's owner
+        grad_k, grad_v = (_fold(g, kv_heads).to(k.dtype) for g in dkv)
+        return torch.cat(dq, dim=2).to(q.dtype), grad_k, grad_v, None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, causal: bool = True) -> torch.Tensor:
+    """Attention of this rank's queries over every rank's keys and values ([batch, heads, tokens
+    here, d], q's dtype)."""
+    if q.shape[2] % 2:
+        raise ValueError(f"ring attention holds two chunks per rank: {q.shape[2]} tokens here is odd")
+    return _RingAttention.apply(q, k, v, group, causal)
