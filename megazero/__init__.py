@@ -70,7 +70,9 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         init_distributed()
     grid = grid_from_mpu(mpu)
     dp_group = grid.dp_group if grid is not None else None
-    engine_config = parse_config(config, dist.get_world_size(dp_group))
+    # the batch triad counts the ranks that read different samples: DP without CP
+    sample_shards = grid.sample_shards if grid is not None else dist.get_world_size(dp_group)
+    engine_config = parse_config(config, sample_shards)
     _check_model_parallel(grid, engine_config)
     _check_model_chunks(model, grid, engine_config)
     if engine_config.seed is not None:
@@ -113,7 +115,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     loader = None
     if training_data is not None:
         loader = DistributedBatchLoader(training_data, engine_config.train_micro_batch_size_per_gpu,
-                                        dist.get_rank(dp_group), dist.get_world_size(dp_group))
+                                        grid.sample_shard if grid is not None else dist.get_rank(dp_group),
+                                        sample_shards)
     engine = Engine(model, engine_config, optimizer, dp_state, lr_scheduler, dp_group, loader, grid)
     configure_watchdog(engine_config.watchdog, engine)  # on when the config enables it; stops an earlier one
     return engine, optimizer, loader, lr_scheduler

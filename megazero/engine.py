@@ -72,6 +72,9 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         self.dp_group = dp_group
         self.dp_rank = dist.get_rank(dp_group) if dist.is_initialized() else 0
         self.dp_world_size = dist.get_world_size(dp_group) if dist.is_initialized() else 1
+        # the batch is split sample_shards ways: DP without CP (context-parallel ranks share samples)
+        self.sample_shard = grid.sample_shard if grid is not None else self.dp_rank
+        self.sample_shards = grid.sample_shards if grid is not None else self.dp_world_size
         self.global_rank = dist.get_rank() if dist.is_initialized() else 0
         self.training_dataloader = training_dataloader
         self.loss_scaler = LossScaler.from_config(config.fp16)
@@ -132,10 +135,10 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         steps (the micro-batch and data-parallel sizes stay); between optimizer steps only. A batch
         ramp-up (Megatron's --rampup-batch-size) calls it before each step. A schedule counting samples
         (MegatronLR's samples_per_step) follows it."""
-        per_micro_step = self.train_micro_batch_size_per_gpu() * self.dp_world_size
+        per_micro_step = self.train_micro_batch_size_per_gpu() * self.sample_shards
         if train_batch_size < per_micro_step or train_batch_size % per_micro_step:
             raise ValueError(f"train_batch_size {train_batch_size} is not a multiple of micro-batch "
-                             f"{self.train_micro_batch_size_per_gpu()} x data-parallel size {self.dp_world_size}")
+                             f"{self.train_micro_batch_size_per_gpu()} x data-parallel size {self.sample_shards}")
         if self.steps.into_step(self.gradient_accumulation_steps()):
             raise RuntimeError("set_train_batch_size inside an optimizer step (after a micro-step's step() that did "
                                "not update the weights): call it between steps")
@@ -185,7 +188,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         if not self.module.training:
             return contextlib.nullcontext()
         micro = self.steps.next_forward()
-        index, size = micro * self.dp_world_size + self.dp_rank, self.train_micro_batch_size_per_gpu()
+        index, size = micro * self.sample_shards + self.sample_shard, self.train_micro_batch_size_per_gpu()
         return self.rng_streams.micro_batch(self.global_steps, index, range(index * size, (index + 1) * size))
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,14 @@ which hold different experts; the expert-data-parallel group is the data-paralle
 the same EP index, which hold the same experts and average their gradients. E.g. TP=2, DP=4, EP=2
 (8 ranks): EP groups [0,2] [1,3] [4,6] [5,7], expert-DP groups [0,4] [1,5] [2,6] [3,7].
 
+Context parallelism (CP) also splits the data-parallel dimension, innermost, as Megatron core's
+order "tp-cp-dp-pp" places it: dp_rank = sample_shard * cp + cp_rank. The `cp` consecutive members
+of a data-parallel group read the same samples and split each sample's sequence; the data-parallel
+group (DP x CP) is the one gradients are averaged over and ZeRO partitions over, while the batch is
+split `sample_shards` = DP / CP ways (the loader, the batch size). E.g. TP=2, CP=2, DP=2 (8 ranks):
+CP groups [0,2] [1,3] [4,6] [5,7], data-parallel groups (with CP) [0,2,4,6] [1,3,5,7]. CP and EP
+are not combined.
+
 `initialize_model_parallel(tp, pp)` builds the grid once per process and makes this module the
 `mpu` that `megazero.initialize(..., mpu=parallel_state)` accepts (DeepSpeed's convention); the
 library itself receives the groups explicitly, as a `ParallelGrid`.
@@ -46,6 +54,19 @@ class ParallelGrid:
     expert_dp_rank: int = 0  # index in the expert-data-parallel group
     ep_group: object | None = None  # this rank's EP peers (None at EP = 1: no group is built)
     expert_dp_group: object | None = None  # peers holding the same experts (the dp group at EP = 1)
+    context_parallel_size: int = 1
+    cp_rank: int = 0  # index in the context-parallel group: holds chunks cp_rank and 2 CP - 1 - cp_rank
+    cp_group: object | None = None  # this rank's CP peers (None at CP = 1)
+
+    @property
+    def sample_shards(self) -> int:
+        """How many ways each global batch is split between ranks: DP / CP (CP ranks share samples)."""
+        return self.data_parallel_size // self.context_parallel_size
+
+    @property
+    def sample_shard(self) -> int:
+        """Which of the sample_shards this rank reads."""
+        return self.dp_rank // self.context_parallel_size
 
     @property
     def expert_data_parallel_size(self) -> int:
@@ -69,18 +90,26 @@ def grid_rank(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int) -> int
 
 
 def grid_groups(world: int, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
-                expert_model_parallel_size: int = 1) -> dict[str, list[tuple[int, ...]]]:
+                expert_model_parallel_size: int = 1,
+                context_parallel_size: int = 1) -> dict[str, list[tuple[int, ...]]]:
     """Every group of the grid as sorted global-rank tuples, by kind ("tp", "dp", "pp", "mp", and
-    "embedding" with pipelining, "ep" and "expert_dp" with expert parallelism), in the order
-    build_grid() creates them. Pure rank arithmetic: no process group is touched.
-    ValueError names the sizes that do not divide."""
-    tp, pp, ep = tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size
+    "embedding" with pipelining, "ep" and "expert_dp" with expert parallelism, "cp" with context
+    parallelism), in the order build_grid() creates them. Pure rank arithmetic: no process group
+    is touched. ValueError names the sizes that do not divide."""
+    tp, pp, ep, cp = tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size, \
+        context_parallel_size
     if tp < 1 or pp < 1 or world % (tp * pp):
         raise ValueError(f"world size {world} is not divisible by tensor_model_parallel_size ({tp}) x "
                          f"pipeline_model_parallel_size ({pp})")
     dp = world // (tp * pp)
     if ep < 1:
         raise ValueError(f"expert_model_parallel_size must be at least 1, got {ep}")
+    if cp < 1 or dp % cp:
+        raise ValueError(f"data-parallel size {dp} (world size {world} / tensor_model_parallel_size {tp} / "
+                         f"pipeline_model_parallel_size {pp}) is not divisible by context_parallel_size ({cp})")
+    if cp > 1 and ep > 1:
+        raise ValueError(f"context_parallel_size {cp} with expert_model_parallel_size {ep}: megazero does not "
+                         f"combine context and expert parallelism yet")
     if dp % ep:
         # EP splits the data-parallel dimension only: an EP group never spans TP ranks or stages
         raise ValueError(f"data-parallel size {dp} (world size {world} / tensor_model_parallel_size {tp} / "
@@ -97,15 +126,18 @@ def grid_groups(world: int, tensor_model_parallel_size: int = 1, pipeline_model_
     if ep > 1:  # dp_rank = expert_dp_rank * ep + ep_rank
         kinds["ep"] = lambda t, d, p: tuple(grid_rank(t, d // ep * ep + i, p, tp, dp) for i in range(ep))
         kinds["expert_dp"] = lambda t, d, p: tuple(grid_rank(t, d % ep + j * ep, p, tp, dp) for j in range(dp // ep))
+    if cp > 1:  # dp_rank = sample_shard * cp + cp_rank
+        kinds["cp"] = lambda t, d, p: tuple(grid_rank(t, d // cp * cp + i, p, tp, dp) for i in range(cp))
     return {name: sorted({members_of(*c) for c in coords}) for name, members_of in kinds.items()}
 
 
 def build_grid(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
-               expert_model_parallel_size: int = 1) -> ParallelGrid:
+               expert_model_parallel_size: int = 1, context_parallel_size: int = 1) -> ParallelGrid:
     """Create every group of the grid (collective: all ranks call it with the same sizes)."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    tp, pp, ep = tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size
-    groups = grid_groups(world, tp, pp, ep)
+    tp, pp, ep, cp = tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size, \
+        context_parallel_size
+    groups = grid_groups(world, tp, pp, ep, cp)
     dp = world // (tp * pp)
     tp_rank, dp_rank, pp_rank = rank % tp, (rank // tp) % dp, rank // (tp * dp)
     mine = {}
@@ -117,20 +149,23 @@ def build_grid(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size
                 mine[name] = group
     return ParallelGrid(tp, pp, dp, tp_rank, pp_rank, dp_rank, mine["tp"], mine["pp"], mine["dp"], mine["mp"],
                         mine.get("embedding"), [grid_rank(tp_rank, dp_rank, i, tp, dp) for i in range(pp)],
-                        ep, dp_rank % ep, dp_rank // ep, mine.get("ep"), mine.get("expert_dp", mine["dp"]))
+                        ep, dp_rank % ep, dp_rank // ep, mine.get("ep"), mine.get("expert_dp", mine["dp"]),
+                        cp, dp_rank % cp, mine.get("cp"))
 
 
 _GRID: ParallelGrid | None = None
-_BUILT: dict[tuple[int, int, int, int], ParallelGrid] = {}  # groups are costly to create: reuse them
+_BUILT: dict[tuple[int, ...], ParallelGrid] = {}  # groups are costly to create: reuse them
 
 
 def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
-                              expert_model_parallel_size: int = 1) -> ParallelGrid:
+                              expert_model_parallel_size: int = 1, context_parallel_size: int = 1) -> ParallelGrid:
     """Build the grid for this process (replacing an earlier one) and return it."""
     global _GRID
-    key = (tensor_model_parallel_size, pipeline_model_parallel_size, dist.get_world_size(), expert_model_parallel_size)
+    key = (tensor_model_parallel_size, pipeline_model_parallel_size, dist.get_world_size(), expert_model_parallel_size,
+           context_parallel_size)
     if key not in _BUILT:
-        _BUILT[key] = build_grid(tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size)
+        _BUILT[key] = build_grid(tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size,
+                                 context_parallel_size)
     _GRID = _BUILT[key]
     return _GRID
 
@@ -202,7 +237,7 @@ def get_pipeline_model_parallel_world_size() -> int:
 
 
 def get_data_parallel_group():
-    """Process group over which ZeRO partitions and gradients are reduced."""
+    """Process group over which ZeRO partitions and gradients are reduced (with CP: DP x CP)."""
     return get_grid().dp_group
 
 
@@ -264,3 +299,18 @@ def get_expert_data_parallel_rank() -> int:
 def get_expert_data_parallel_world_size() -> int:
     """Expert-data-parallel degree (DP / EP)."""
     return get_grid().expert_data_parallel_size
+
+
+def get_context_parallel_group():
+    """Process group of this rank's context-parallel peers (they split each sample's sequence; None at CP = 1)."""
+    return get_grid().cp_group
+
+
+def get_context_parallel_rank() -> int:
+    """This rank's index in its context-parallel group."""
+    return get_grid().cp_rank
+
+
+def get_context_parallel_world_size() -> int:
+    """Context-parallel degree."""
+    return get_grid().context_parallel_size

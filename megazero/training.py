@@ -51,7 +51,8 @@ def start_run(run: RunConfig):
         raise SystemExit(f"[megazero] rank {dist.get_rank()}: {e}") from None
     grid = parallel_state.initialize_model_parallel(parallel.tensor_model_parallel_size,
                                                     parallel.pipeline_model_parallel_size,
-                                                    parallel.expert_model_parallel_size)
+                                                    parallel.expert_model_parallel_size,
+                                                    parallel.context_parallel_size)
     megazero.set_seed(run.seed)
     spec = run.data.tokenizer_spec()
     try:
@@ -125,15 +126,17 @@ def publish_run_config(run: RunConfig, engine, rank: int) -> None:
 
 def header(engine, grid, name: str, num_params: int, details: str = "", active_params: int | None = None) -> str:
     """The run's header line: "<name>: <params> parameters [(<active> active per token)], <ranks> =
-    TP x PP x DP [(EP)], batch = micro x accumulation x DP, <dtype>[, <details>][, ZeRO ...]"."""
+    TP x PP [x CP (comm)] x DP [(EP)], batch = micro x accumulation x DP, <dtype>[, <details>][, ZeRO ...]"."""
     ep = f" (EP {grid.expert_model_parallel_size})" if grid.expert_model_parallel_size > 1 else ""
+    cp = (f" x CP {grid.context_parallel_size} ({getattr(engine.module.config, 'cp_comm_type', 'p2p')})"
+          if grid.context_parallel_size > 1 else "")
     active = f" ({active_params:,} active per token)" if active_params not in (None, num_params) else ""
     extra = f", {details}" if details else ""
     return (f"{name}: {num_params:,} parameters{active}, {dist.get_world_size()} ranks = TP "
-            f"{grid.tensor_model_parallel_size} x PP {grid.pipeline_model_parallel_size} x DP "
-            f"{grid.data_parallel_size}{ep}, batch {engine.train_batch_size()} = "
+            f"{grid.tensor_model_parallel_size} x PP {grid.pipeline_model_parallel_size}{cp} x DP "
+            f"{grid.sample_shards}{ep}, batch {engine.train_batch_size()} = "
             f"{engine.train_micro_batch_size_per_gpu()} x {engine.gradient_accumulation_steps()} x "
-            f"{engine.dp_world_size}, {engine.config.compute_dtype}{extra}{zero_summary(engine.config)}")
+            f"{engine.sample_shards}, {engine.config.compute_dtype}{extra}{zero_summary(engine.config)}")
 
 
 def peak_flops(engine, run: RunConfig, model: torch.nn.Module) -> float:
@@ -149,7 +152,7 @@ def batch_rampup(run: RunConfig, engine) -> BatchRampup | None:
     start, increment, samples = run.schedule.rampup_batch_size
     try:
         return BatchRampup(start, increment, samples, engine.train_batch_size(),
-                           engine.train_micro_batch_size_per_gpu() * engine.dp_world_size)
+                           engine.train_micro_batch_size_per_gpu() * engine.sample_shards)
     except ConfigError as e:
         raise SystemExit(f"[megazero] rank {dist.get_rank()}: {e}") from None
 
@@ -250,8 +253,8 @@ def evaluate(engine, dataset, iters: int, measure: Callable[[dict], dict] | None
     measure = measure or (lambda batch: {"loss": engine.eval_batch(batch)})
     engine.eval()
     micro = engine.train_micro_batch_size_per_gpu()
-    samples = min(len(dataset), iters * micro * engine.dp_world_size)
-    loader = DistributedBatchLoader(dataset, micro, engine.dp_rank, engine.dp_world_size, num_samples=samples)
+    samples = min(len(dataset), iters * micro * engine.sample_shards)
+    loader = DistributedBatchLoader(dataset, micro, engine.sample_shard, engine.sample_shards, num_samples=samples)
     sums: dict[str, float] = {}
     batches = 0
     for batch in loader:
@@ -486,6 +489,11 @@ def print_sample(model: torch.nn.Module, tokenizer: Tokenizer, sample, seed: int
     data-parallel group): every data-parallel rank generates alongside."""
     # with expert parallelism the MoE layers' all-to-alls need the EP peers of DP rank 0 (DP ranks
     # 0..EP-1): they generate the same text alongside it
+    if grid.context_parallel_size > 1:  # the model attends over its CP group: it generates at CP 1
+        if rank == 0:
+            print("(no sample at context_parallel_size > 1: scripts/generate.py on the checkpoint generates at CP 1)",
+                  flush=True)
+        return
     if not partitioned and grid.dp_rank >= grid.expert_model_parallel_size:
         return
     text = sample_text(model, tokenizer, sample.sample_prompt, sample.sample_tokens, seed, grid)

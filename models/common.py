@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megazero.activation_checkpointing import checkpoint
+from megazero.context_parallel import load_balanced_positions, ring_attention, split_sequence, ulysses_attention
 from megazero.meta_device import skeleton
 from megazero.moe.router import SCORE_ORDERS
 from megazero.tensor_parallel import invariant_dropout as keyed
@@ -43,6 +44,24 @@ class ModelConfig:
             if getattr(self, name) % self.tensor_model_parallel_size:
                 raise ValueError(f"{name} {getattr(self, name)} is not divisible by tensor_model_parallel_size "
                                  f"{self.tensor_model_parallel_size}")
+
+    def check_context_parallel(self) -> None:
+        """Context parallelism's needs: 2 x CP chunks of the sequence (each split over TP under SP),
+        a known attention path, and attention without dropout."""
+        cp = getattr(self, "context_parallel_size", 1)
+        if cp == 1:
+            return
+        chunks = 2 * cp * (self.tensor_model_parallel_size if self.sequence_parallel else 1)
+        if self.seq_length % chunks:
+            under_sp = ", each split over TP under sequence_parallel" if chunks > 2 * cp else ""
+            raise ValueError(f"context_parallel_size {cp}: seq_length {self.seq_length} must be divisible by {chunks} "
+                             f"(2 x CP chunks{under_sp})")
+        if self.cp_comm_type not in ("p2p", "a2a"):
+            raise ValueError(f"cp_comm_type must be 'p2p' (ring attention) or 'a2a' (all-to-all), got "
+                             f"{self.cp_comm_type!r}")
+        if self.attention_dropout_rate:
+            raise ValueError(f"context_parallel_size {cp}: context-parallel attention runs without dropout; set "
+                             f"attention_dropout 0 (--attention-dropout 0), got {self.attention_dropout_rate}")
 
     def check_positions(self) -> None:
         """Megatron's max_position_embeddings, where given, must cover seq_length."""
@@ -75,18 +94,21 @@ class ModelConfig:
     def single_process(self):
         """The same model in one process (TP = 1, its padding): the size the recipes report, the same
         at every layout (whole() keeps this layout's padded vocabulary instead)."""
-        changes = {"tensor_model_parallel_size": 1}
+        return dataclasses.replace(self, **self._one_process({"tensor_model_parallel_size": 1}))
+
+    def _one_process(self, changes: dict) -> dict:
+        """`changes` plus the layout fields this config has, set for one process (no SP, CP 1)."""
         if hasattr(self, "sequence_parallel"):
             changes["sequence_parallel"] = False
-        return dataclasses.replace(self, **changes)
+        if hasattr(self, "context_parallel_size"):
+            changes["context_parallel_size"] = 1
+        return changes
 
     def whole(self):
         """The same model at TP = 1 with the same (padded) vocabulary: the shape of the whole tensors."""
-        changes = {"tensor_model_parallel_size": 1,
-                   "make_vocab_size_divisible_by": self.make_vocab_size_divisible_by * self.tensor_model_parallel_size}
-        if hasattr(self, "sequence_parallel"):
-            changes["sequence_parallel"] = False
-        return dataclasses.replace(self, **changes)
+        return dataclasses.replace(self, **self._one_process({
+            "tensor_model_parallel_size": 1,
+            "make_vocab_size_divisible_by": self.make_vocab_size_divisible_by * self.tensor_model_parallel_size}))
 
     @classmethod
     def from_json(cls, path: str, **overrides):
@@ -301,12 +323,13 @@ class AttentionCore(nn.Module):
     math is then written out (torch's fused kernel draws its own random numbers)."""
 
     def __init__(self, dropout: float, layer: int = 0, causal: bool = True,
-                 recompute: Recompute = PLAIN.attention):
+                 recompute: Recompute = PLAIN.attention, context: ContextParallel | None = None):
         super().__init__()
         self.dropout = dropout
         self.layer = layer
         self.causal = causal
         self.recompute = recompute
+        self.context = context
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 attend: torch.Tensor | None = None, documents: Documents | None = None) -> torch.Tensor:
@@ -317,6 +340,11 @@ class AttentionCore(nn.Module):
         """The attention itself (forward adds only the recomputation). `documents` (causal only):
         each query sees the keys before it in its own document."""
         p = self.dropout if self.training else 0.0
+        if self.context is not None:  # this rank's chunks of the sequence, attending over every rank's
+            if documents is not None:
+                raise ValueError("packed documents (--reset-attention-mask) with context parallelism: not supported "
+                                 "yet; train them at context_parallel_size 1")
+            return self.context.attention(q, k, v, self.causal)
         if documents is not None:
             if p and keyed.layout_invariant():  # the math written out anyway: the mask costs nothing more
                 return keyed.softmax_attention(q, k, v, documents.mask(q.device), False,
@@ -337,6 +365,51 @@ class AttentionCore(nn.Module):
         with get_rng_tracker().fork():  # attention dropout differs between the TP ranks' heads
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, dropout_p=p,
                                                   enable_gqa=q.shape[1] != k.shape[1])
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextParallel:
+    """This rank's place in a context-parallel group (megazero/context_parallel/): the model takes
+    its chunks of each sample (`split`) at their global positions (`positions`), and the attention
+    core attends over every rank's chunks by `comm_type` ("p2p": ring, "a2a": all-to-all)."""
+
+    group: object
+    comm_type: str = "p2p"
+
+    @classmethod
+    def of(cls, config: ModelConfig, cp_group) -> ContextParallel | None:
+        """The context of a model built with cp_group (None at CP 1 or without a group)."""
+        if cp_group is None or getattr(config, "context_parallel_size", 1) == 1:
+            return None
+        if dist.get_world_size(cp_group) != config.context_parallel_size:
+            raise ValueError(f"context_parallel_size is {config.context_parallel_size} but the cp_group has "
+                             f"{dist.get_world_size(cp_group)} ranks")
+        return cls(cp_group, config.cp_comm_type)
+
+    def inputs(self, input_ids, labels, position_ids, document_ids, loss_mask) -> tuple:
+        """(input_ids, labels, position_ids) of this rank's tokens from a whole-sample batch (every
+        pipeline stage gets the batch: the ids give the sequence length)."""
+        if position_ids is not None or document_ids is not None or loss_mask is not None:
+            raise ValueError("packed documents (--reset-position-ids, --reset-attention-mask, --eod-mask-loss) with "
+                             "context parallelism: not supported yet; train them at context_parallel_size 1")
+        seq_length = input_ids.shape[1]
+        return self.split(input_ids), None if labels is None else self.split(labels), \
+            self.positions(seq_length, input_ids.device)
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens of a whole-sequence [batch, seq, ...] tensor."""
+        return split_sequence(x, dist.get_world_size(self.group), dist.get_rank(self.group), dim=1)
+
+    def positions(self, seq_length: int, device) -> torch.Tensor:
+        """The global positions of this rank's tokens of a seq_length sequence."""
+        return load_balanced_positions(seq_length, dist.get_world_size(self.group), dist.get_rank(self.group), device)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+        """Attention of this rank's queries over the whole sequence's keys and values."""
+        if self.comm_type == "p2p":
+            return ring_attention(q, k, v, self.group, causal)
+        return ulysses_attention(q, k, v, self.group, lambda a, b, c: F.scaled_dot_product_attention(
+            a, b, c, is_causal=causal, enable_gqa=a.shape[1] != b.shape[1]))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,6 +35,7 @@ from megazero.tensor_parallel.random import layer_stream
 from models.common import (
     PLAIN,
     AttentionCore,
+    ContextParallel,
     Documents,
     ModelConfig,
     SpeedOptions,
@@ -76,6 +77,8 @@ class GPTConfig(ModelConfig):
     fused_kernels: bool = True  # on GPUs, megazero's CUDA LayerNorm and bias + GeLU (where built)
     tensor_model_parallel_size: int = 1  # must equal the size of the tp_group the model is built with
     sequence_parallel: bool = False  # split LayerNorm/dropout activations along the sequence across TP ranks
+    context_parallel_size: int = 1  # ranks each sample's sequence is split over (the cp_group's size)
+    cp_comm_type: str = "p2p"  # context parallelism's attention: "p2p" (ring) or "a2a" (all-to-all, Ulysses)
     # mixture of experts (Megatron's flags): every moe_layer_freq-th layer (0, freq, ...) has num_experts
     # experts in place of its MLP (megazero/moe/); None: the dense model
     num_experts: int | None = None  # experts per MoE layer; None: the dense model
@@ -98,6 +101,7 @@ class GPTConfig(ModelConfig):
         if self.recompute_granularity not in (None, "full", "selective"):
             raise ValueError(f"recompute_granularity must be 'full' or 'selective', got {self.recompute_granularity!r}")
         self.check_tensor_parallel()
+        self.check_context_parallel()
         check_moe(self)
         tp_size = self.tensor_model_parallel_size
         if self.sequence_parallel and self.seq_length % tp_size:
@@ -112,7 +116,8 @@ CausalAttention = AttentionCore
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention with a causal mask; this TP rank computes its share of the heads."""
 
-    def __init__(self, config: GPTConfig, tp_group=None, layer: int = 0, speed: SpeedOptions = PLAIN):
+    def __init__(self, config: GPTConfig, tp_group=None, layer: int = 0, speed: SpeedOptions = PLAIN,
+                 context: ContextParallel | None = None):
         super().__init__()
         self.num_heads = config.num_attention_heads // config.tensor_model_parallel_size  # local heads
         self.head_dim = config.hidden_size // config.num_attention_heads
@@ -122,7 +127,7 @@ class CausalSelfAttention(nn.Module):
         self.qkv = tp.ColumnParallelLinear(config.hidden_size, 3 * config.hidden_size, tp_group,
                                            init_method=normal_init(config.init_method_std), stride=3,
                                            sequence_parallel=sp)
-        self.core = CausalAttention(config.attention_dropout_rate, layer, recompute=speed.attention)
+        self.core = CausalAttention(config.attention_dropout_rate, layer, recompute=speed.attention, context=context)
         self.proj = tp.RowParallelLinear(config.hidden_size, config.hidden_size, tp_group,
                                          init_method=normal_init(residual_std), sequence_parallel=sp)
 
@@ -168,11 +173,11 @@ class Block(nn.Module):
     over ep_group)."""
 
     def __init__(self, config: GPTConfig, tp_group=None, layer: int = 0, ep_group=None,
-                 speed: SpeedOptions = PLAIN):
+                 speed: SpeedOptions = PLAIN, context: ContextParallel | None = None):
         super().__init__()
         sp, fused = config.sequence_parallel, speed.fused_kernels
         self.ln_1 = tp.LayerNorm(config.hidden_size, config.layernorm_epsilon, tp_group, sp, fused)
-        self.attn = CausalSelfAttention(config, tp_group, layer, speed)
+        self.attn = CausalSelfAttention(config, tp_group, layer, speed, context)
         self.ln_2 = tp.LayerNorm(config.hidden_size, config.layernorm_epsilon, tp_group, sp, fused)
         moe = moe_layer_config(config, layer, "gelu", config.output_init_std)
         self.mlp = MLP(config, tp_group, fused) if moe is None else MoELayer(moe, ep_group, tp_group)
@@ -211,11 +216,12 @@ class GPT(StageContract, CausalLMGeneration, nn.Module):
     example_batch = staticmethod(causal_lm_batch)  # what the measured stage split times
 
     def __init__(self, config: GPTConfig, tp_group=None, layers: range | None = None, pre_process: bool = True,
-                 post_process: bool = True, ep_group=None, speed_options: bool = False):
+                 post_process: bool = True, ep_group=None, speed_options: bool = False, cp_group=None):
         super().__init__()
         check_tp_group(config, tp_group)
         self.config = config
         self.tp_group = tp_group
+        self.context = ContextParallel.of(config, cp_group)
         self.layers = layers if layers is not None else range(config.num_layers)
         self.pre_process, self.post_process = pre_process, post_process
         # one seed per layer, drawn once: every stage and shard consumes the default generator alike
@@ -235,7 +241,7 @@ class GPT(StageContract, CausalLMGeneration, nn.Module):
         for position, i in enumerate(self.layers):
             speed = SpeedOptions.of(config, position) if speed_options else PLAIN
             with seeded(base_seed + 1 + i):
-                blocks.append(Block(config, tp_group, i, ep_group, speed))
+                blocks.append(Block(config, tp_group, i, ep_group, speed, self.context))
         self.blocks = nn.ModuleList(blocks)
         if post_process:
             self.ln_f = tp.LayerNorm(config.hidden_size, config.layernorm_epsilon, tp_group, config.sequence_parallel,
@@ -285,6 +291,9 @@ class GPT(StageContract, CausalLMGeneration, nn.Module):
             for block, cache in zip(self.blocks, kv_cache):
                 x = block(x, cache)
             return self.head(x, labels) if self.post_process else x
+        if self.context is not None:  # this rank's chunks of the sample, at their global positions
+            input_ids, labels, position_ids = self.context.inputs(input_ids, labels, position_ids, document_ids,
+                                                                  loss_mask)
         x = self.embed(input_ids, position_ids=position_ids) if self.pre_process else hidden_states
         documents = Documents.of(document_ids) if document_ids is not None else None
         for layer, block in zip(self.layers, self.blocks):

@@ -36,6 +36,7 @@ from megazero.tensor_parallel.random import layer_stream
 from models.common import (
     PLAIN,
     AttentionCore,
+    ContextParallel,
     Documents,
     ModelConfig,
     SpeedOptions,
@@ -80,6 +81,8 @@ class LlamaConfig(ModelConfig):
     fused_kernels: bool = True  # megazero's fused RMSNorm: CUDA kernel on GPUs, C++ op on CPUs (where built)
     tensor_model_parallel_size: int = 1  # must equal the size of the tp_group the model is built with
     sequence_parallel: bool = False  # split RMSNorm/dropout activations along the sequence across TP ranks
+    context_parallel_size: int = 1  # ranks each sample's sequence is split over (the cp_group's size)
+    cp_comm_type: str = "p2p"  # context parallelism's attention: "p2p" (ring) or "a2a" (all-to-all, Ulysses)
     # mixture of experts (Megatron's flags): every moe_layer_freq-th layer (0, freq, ...) has num_experts
     # experts in place of its MLP (megazero/moe/); None: the dense model
     num_experts: int | None = None  # experts per MoE layer; None: the dense model
@@ -109,6 +112,7 @@ class LlamaConfig(ModelConfig):
         if self.recompute_granularity not in (None, "full", "selective"):
             raise ValueError(f"recompute_granularity must be 'full' or 'selective', got {self.recompute_granularity!r}")
         self.check_tensor_parallel()
+        self.check_context_parallel()
         check_moe(self)
         if self.sequence_parallel and self.seq_length % self.tensor_model_parallel_size:
             raise ValueError(f"sequence_parallel: seq_length {self.seq_length} is not divisible by "
@@ -140,7 +144,8 @@ class GroupedQueryAttention(nn.Module):
     """Causal self-attention with rotary positions and num_query_groups key/value heads; this TP
     rank computes its share of the query heads (see the module docstring for the key/value heads)."""
 
-    def __init__(self, config: LlamaConfig, tp_group=None, layer: int = 0, speed: SpeedOptions = PLAIN):
+    def __init__(self, config: LlamaConfig, tp_group=None, layer: int = 0, speed: SpeedOptions = PLAIN,
+                 context: ContextParallel | None = None):
         super().__init__()
         tp_size, sp = config.tensor_model_parallel_size, config.sequence_parallel
         heads, groups = config.num_attention_heads, config.num_query_groups
@@ -160,7 +165,8 @@ class GroupedQueryAttention(nn.Module):
         else:
             self.kv = tp.ReplicatedLinear(config.hidden_size, kv_size, tp_group, bias=False,
                                           init_method=normal_init(config.init_method_std), sequence_parallel=sp)
-        self.core = AttentionCore(config.dropout, layer, recompute=speed.attention)  # causal, grouped-query
+        self.core = AttentionCore(config.attention_dropout_rate, layer, recompute=speed.attention,  # causal, GQA
+                                  context=context)
         self.proj = tp.RowParallelLinear(heads * self.head_dim, config.hidden_size, tp_group, bias=False,
                                          init_method=normal_init(config.output_init_std),
                                          sequence_parallel=sp)
@@ -213,11 +219,11 @@ class Block(nn.Module):
     shape; experts split over ep_group)."""
 
     def __init__(self, config: LlamaConfig, tp_group=None, layer: int = 0, ep_group=None,
-                 speed: SpeedOptions = PLAIN):
+                 speed: SpeedOptions = PLAIN, context: ContextParallel | None = None):
         super().__init__()
         sp, fused = config.sequence_parallel, speed.fused_kernels
         self.norm_1 = tp.RMSNorm(config.hidden_size, config.norm_epsilon, tp_group, sp, fused)
-        self.attn = GroupedQueryAttention(config, tp_group, layer, speed)
+        self.attn = GroupedQueryAttention(config, tp_group, layer, speed, context)
         self.norm_2 = tp.RMSNorm(config.hidden_size, config.norm_epsilon, tp_group, sp, fused)
         moe = moe_layer_config(config, layer, "swiglu", config.output_init_std)
         self.mlp = SwiGLU(config, tp_group) if moe is None else MoELayer(moe, ep_group, tp_group)
@@ -252,11 +258,12 @@ class Llama(StageContract, CausalLMGeneration, nn.Module):
     example_batch = staticmethod(causal_lm_batch)  # what the measured stage split times
 
     def __init__(self, config: LlamaConfig, tp_group=None, layers: range | None = None, pre_process: bool = True,
-                 post_process: bool = True, ep_group=None, speed_options: bool = False):
+                 post_process: bool = True, ep_group=None, speed_options: bool = False, cp_group=None):
         super().__init__()
         check_tp_group(config, tp_group)
         self.config = config
         self.tp_group = tp_group
+        self.context = ContextParallel.of(config, cp_group)
         self.layers = layers if layers is not None else range(config.num_layers)
         self.pre_process, self.post_process = pre_process, post_process
         self.tied = not config.untie_embeddings_and_output_weights
@@ -271,7 +278,7 @@ class Llama(StageContract, CausalLMGeneration, nn.Module):
         for position, i in enumerate(self.layers):
             speed = SpeedOptions.of(config, position) if speed_options else PLAIN
             with seeded(base_seed + 1 + i):
-                blocks.append(Block(config, tp_group, i, ep_group, speed))
+                blocks.append(Block(config, tp_group, i, ep_group, speed, self.context))
         self.blocks = nn.ModuleList(blocks)
         if post_process:
             self.norm_f = tp.RMSNorm(config.hidden_size, config.norm_epsilon, tp_group, config.sequence_parallel,
@@ -332,6 +339,9 @@ class Llama(StageContract, CausalLMGeneration, nn.Module):
             for block, cache in zip(self.blocks, kv_cache):
                 x = block(x, cache)
             return self.head(x, labels) if self.post_process else x
+        if self.context is not None:  # this rank's chunks of the sample, at their global positions
+            input_ids, labels, position_ids = self.context.inputs(input_ids, labels, position_ids, document_ids,
+                                                                  loss_mask)
         x = self.embed(input_ids) if self.pre_process else hidden_states
         documents = Documents.of(document_ids) if document_ids is not None else None
         for layer, block in zip(self.layers, self.blocks):

@@ -199,17 +199,19 @@ def stage_layers(config: ModelConfig, num_stages: int, partition_method: str = "
 
 def build_stage(config: ModelConfig, stage: int = 0, num_stages: int = 1, tp_group=None,
                 ep_group=None, partition_method: str = "parameters", layers: range | None = None,
-                speed_options: bool = False) -> torch.nn.Module:
+                speed_options: bool = False, cp_group=None) -> torch.nn.Module:
     """Pipeline stage `stage` of `num_stages` of the model, over `tp_group` (None: unsharded), on
     the current default device, its MoE layers' experts split over `ep_group` (None: all here;
     only for a config with num_experts). Also builds the stages of another layout (checkpoint
     conversion builds them on the meta device); partition_method: as stage_layers; layers: the
     stage's layers where the caller split already (then partition_method is not used);
-    speed_options: with the config's recomputation and fused kernels (False: the plain model)."""
+    speed_options: with the config's recomputation and fused kernels (False: the plain model);
+    cp_group: the context-parallel group (config.context_parallel_size > 1) splitting each sequence."""
     if layers is None:
         layers = stage_layers(config, num_stages, partition_method)[stage]
+    context = {"cp_group": cp_group} if cp_group is not None else {}
     return model_class(config)(config, tp_group, layers, pre_process=stage == 0, post_process=stage == num_stages - 1,
-                               speed_options=speed_options, **_experts(config, ep_group))
+                               speed_options=speed_options, **_experts(config, ep_group), **context)
 
 
 def _check_grid(config: ModelConfig, grid: ParallelGrid) -> None:
@@ -217,6 +219,12 @@ def _check_grid(config: ModelConfig, grid: ParallelGrid) -> None:
         raise ValueError(f"{type(config).__name__}.tensor_model_parallel_size is {config.tensor_model_parallel_size} "
                          f"but the grid's tensor-parallel size is {grid.tensor_model_parallel_size}: set the config's "
                          f"to the grid's")
+    cp = getattr(config, "context_parallel_size", None)
+    if (cp or 1) != grid.context_parallel_size:
+        why = "set the config's to the grid's" if cp is not None else "this model has no context parallelism (GPT " \
+                                                                      "and Llama do)"
+        raise ValueError(f"{type(config).__name__}.context_parallel_size is {cp} but the grid's context-parallel "
+                         f"size is {grid.context_parallel_size}: {why}")
     if grid.expert_model_parallel_size > 1 and getattr(config, "num_experts", None) is None:
         raise ValueError(f"the grid's expert_model_parallel_size is {grid.expert_model_parallel_size} but the "
                          f"{type(config).__name__} has no experts (num_experts None): set num_experts "
@@ -225,7 +233,7 @@ def _check_grid(config: ModelConfig, grid: ParallelGrid) -> None:
 
 def build_chunks(config: ModelConfig, stage: int, num_stages: int, num_chunks: int, tp_group=None,
                  ep_group=None, partition_method: str = "parameters",
-                 split: list[range] | None = None, speed_options: bool = False) -> ModelChunks:
+                 split: list[range] | None = None, speed_options: bool = False, cp_group=None) -> ModelChunks:
     """Stage `stage`'s model chunks for the interleaved schedule: chunk c is virtual stage c * p +
     stage of the model split into p * v stages (balanced as stage_layers, by partition_method; or
     `split`, the p * v virtual stages' layers, where the caller split already); speed_options: as
@@ -239,7 +247,7 @@ def build_chunks(config: ModelConfig, stage: int, num_stages: int, num_chunks: i
         torch.set_rng_state(state)
         virtual = chunk_stage(c, stage, num_stages)
         chunks.append(build_stage(config, virtual, num_stages * num_chunks, tp_group, ep_group, layers=split[virtual],
-                                  speed_options=speed_options))
+                                  speed_options=speed_options, cp_group=cp_group))
     return ModelChunks(chunks)
 
 
@@ -276,11 +284,11 @@ def parallelize(config: ModelConfig, grid: ParallelGrid | None = None,
     num_chunks = chunk_count(config.num_layers, pp, num_layers_per_virtual_stage)
     if pp == 1:
         return build_stage(config, 0, 1, grid.tp_group, grid.ep_group, layers=range(config.num_layers),
-                           speed_options=True)
+                           speed_options=True, cp_group=grid.cp_group)
     weights = stage_weights(config, partition_method, grid.tp_group, grid.ep_group, micro_batch_size)
     split = stage_layers(config, pp, partition_method, num_chunks, weights, num_microbatches)
     if num_chunks == 1:
         return build_stage(config, grid.pp_rank, pp, grid.tp_group, grid.ep_group, layers=split[grid.pp_rank],
-                           speed_options=True)
+                           speed_options=True, cp_group=grid.cp_group)
     return build_chunks(config, grid.pp_rank, pp, num_chunks, grid.tp_group, grid.ep_group, split=split,
-                        speed_options=True)
+                        speed_options=True, cp_group=grid.cp_group)

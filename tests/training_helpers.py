@@ -59,8 +59,9 @@ def build_engine(config: dict, prefix: str, seed: int = 0, model_overrides: dict
     virtual = overrides.pop(LAYERS_PER_VIRTUAL_STAGE, None)
     packing = overrides.pop(PACKING, None)
     grid = None
-    if layout is not None:
-        grid = parallel_state.initialize_model_parallel(*layout)
+    if layout is not None:  # context parallelism: the model override context_parallel_size
+        grid = parallel_state.initialize_model_parallel(*layout, context_parallel_size=overrides.get(
+            "context_parallel_size", 1))
         overrides["tensor_model_parallel_size"] = layout[0]
     # the engine config's pipeline.partition_method, as the recipes read it
     split = config.get("pipeline", {}).get("partition_method", "parameters")

@@ -38,7 +38,8 @@ CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 
 # fields of a model config that the run sets, not the model section: the tokenizer's vocabulary and
 # the parallel section's layout
-DERIVED_MODEL_FIELDS = ("vocab_size", "tensor_model_parallel_size", "sequence_parallel")
+DERIVED_MODEL_FIELDS = ("vocab_size", "tensor_model_parallel_size", "sequence_parallel", "context_parallel_size",
+                        "cp_comm_type")
 
 # Megatron-LM (and older megazero) spellings -> the flag they stand for, and the value a valueless
 # alias supplies
@@ -85,10 +86,17 @@ def model_section(config_class: type) -> type:
 
 def model_config_of(run: RunConfig, config_class: type, vocab_size: int):
     """The model config the run builds: its model section, the tokenizer's vocabulary and the
-    parallel section's layout."""
+    parallel section's layout (context parallelism where the model has it; an error otherwise)."""
+    parallel = run.parallel
+    context = {}
+    if "context_parallel_size" in {f.name for f in dataclasses.fields(config_class)}:
+        context = {"context_parallel_size": parallel.context_parallel_size, "cp_comm_type": parallel.cp_comm_type}
+    elif parallel.context_parallel_size > 1:
+        raise SystemExit(f"[megazero] --context-parallel-size {parallel.context_parallel_size}: the "
+                         f"{config_class.__name__} has no context parallelism (GPT and Llama do)")
     return config_class(**dataclasses.asdict(run.model), vocab_size=vocab_size,
-                        tensor_model_parallel_size=run.parallel.tensor_model_parallel_size,
-                        sequence_parallel=run.parallel.sequence_parallel)
+                        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+                        sequence_parallel=parallel.sequence_parallel, **context)
 
 
 def _spellings(argv: list[str]) -> list[tuple[str, str]]:

@@ -50,13 +50,19 @@ class ParallelSection(RunSection):
     expert_model_parallel_size: int = Field(1, ge=1, description="ranks the experts are split over; divides DP")
     sequence_parallel: bool = Field(False, description="split LayerNorm/dropout activations along the sequence "
                                                        "across tensor-parallel ranks")
+    context_parallel_size: int = Field(1, ge=1, description="ranks each sample's sequence is split over (GPT, Llama)")
+    cp_comm_type: Literal["p2p", "a2a"] = Field("p2p", description="context parallelism's attention: p2p (ring "
+                                                                   "attention) or a2a (all-to-all, Ulysses)")
 
     def data_parallel_size(self, world_size: int) -> int:
-        """The data-parallel size at `world_size` ranks; an error naming the flags where they do not divide."""
-        model_parallel = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+        """The data-parallel size at `world_size` ranks (the ways the batch is split: context-parallel
+        ranks share samples); an error naming the flags where they do not divide."""
+        model_parallel = (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+                          * self.context_parallel_size)
         if world_size % model_parallel:
             raise ConfigError(f"--tensor-model-parallel-size {self.tensor_model_parallel_size} x "
-                              f"--pipeline-model-parallel-size {self.pipeline_model_parallel_size} = {model_parallel} "
+                              f"--pipeline-model-parallel-size {self.pipeline_model_parallel_size} x "
+                              f"--context-parallel-size {self.context_parallel_size} = {model_parallel} "
                               f"does not divide the world size {world_size}")
         dp = world_size // model_parallel
         if dp % self.expert_model_parallel_size:

@@ -1,0 +1,54 @@
+"""The Llama recipe with --context-parallel-size 2 (ring and all-to-all) on 2 gloo ranks logs the
+losses of --context-parallel-size 1 (the same global batch: DP 2 there, CP 2 here), names CP in
+its header, and its checkpoint continues at CP 1 exactly as the CP 1 checkpoint does."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+from tests.recipes.test_pretrain_gpt import _scalars
+
+pytestmark = pytest.mark.slow
+
+SHAPE = ("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
+         "--seq-length", "64", "--global-batch-size", "8", "--micro-batch-size", "4", "--lr", "0.005",
+         "--log-interval", "1", "--eval-interval", "100", "--eval-iters", "1", "--peak-flops", "1e11",
+         "--sample-tokens", "0", "--dropout", "0")
+
+
+def _llama(tmp_path, name: str, *flags: str) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(REPO, "scripts", "pretrain_llama.py"), "--data-path",
+           os.path.join(REPO, "data", "gpt2", "shakespeare"), *SHAPE, "--tensorboard-dir", str(tmp_path / f"tb_{name}"),
+           *flags]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          timeout=600, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def _losses(tmp_path, name: str) -> list[float]:
+    return [value for _, value in _scalars(str(tmp_path / f"tb_{name}"))["lm loss"]]
+
+
+def test_context_parallel_recipe_logs_the_cp1_losses_and_its_checkpoint_continues_at_cp1(corpus_prefix, tmp_path):
+    runs = {"cp1": ("--context-parallel-size", "1"), "p2p": ("--context-parallel-size", "2"),
+            "a2a": ("--context-parallel-size", "2", "--cp-comm-type", "a2a")}
+    for name, flags in runs.items():
+        out = _llama(tmp_path, name, *flags, "--train-iters", "4", "--save", str(tmp_path / name), "--save-interval",
+                     "4")
+        if name != "cp1":
+            assert f"CP 2 ({name}) x DP 1" in out, out
+    reference = _losses(tmp_path, "cp1")
+    assert len(reference) == 4
+    for name in ("p2p", "a2a"):
+        assert _losses(tmp_path, name) == pytest.approx(reference, rel=1e-5)
+    for name in ("cp1", "p2p"):  # both checkpoints continue at CP 1: the same next losses
+        out = _llama(tmp_path, f"resume_{name}", "--train-iters", "6", "--load", str(tmp_path / name))
+        assert "resumed from" in out, out
+    assert _losses(tmp_path, "resume_p2p") == pytest.approx(_losses(tmp_path, "resume_cp1"), rel=1e-5)
