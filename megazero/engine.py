@@ -89,7 +89,9 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         self.rng_streams = MicroBatchStreams(config.seed if config.seed is not None else torch.initial_seed() % 2**31,
                                              grid.pp_rank if grid else 0, grid.tp_rank if grid else 0,
                                              grid.tensor_model_parallel_size if grid else 1,
-                                             layout_invariant=config.dropout_masks.layout_invariant)
+                                             layout_invariant=config.dropout_masks.layout_invariant,
+                                             cp_rank=grid.cp_rank if grid else 0,
+                                             cp_size=grid.context_parallel_size if grid else 1)
         self.pipeline = PipelineRunner(grid, model, config, self.timers, self.steps, EngineCalls(
             self, self._backward, self._scaled_loss, self.step, lambda: self.device)) if self.is_pipelined else None
         # what the optimizer can do in its own pass (megazero.optim.protocol): unscale/clip (torch's

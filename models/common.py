@@ -31,7 +31,7 @@ from megazero.meta_device import skeleton
 from megazero.moe.router import SCORE_ORDERS
 from megazero.tensor_parallel import invariant_dropout as keyed
 from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from megazero.tensor_parallel.random import get_rng_tracker
+from megazero.tensor_parallel.random import get_rng_tracker, layout_invariant_keys
 
 
 class ModelConfig:
@@ -59,9 +59,6 @@ class ModelConfig:
         if self.cp_comm_type not in ("p2p", "a2a"):
             raise ValueError(f"cp_comm_type must be 'p2p' (ring attention) or 'a2a' (all-to-all), got "
                              f"{self.cp_comm_type!r}")
-        if self.attention_dropout_rate:
-            raise ValueError(f"context_parallel_size {cp}: context-parallel attention runs without dropout; set "
-                             f"attention_dropout 0 (--attention-dropout 0), got {self.attention_dropout_rate}")
 
     def check_positions(self) -> None:
         """Megatron's max_position_embeddings, where given, must cover seq_length."""
@@ -344,7 +341,7 @@ class AttentionCore(nn.Module):
             if documents is not None:
                 raise ValueError("packed documents (--reset-attention-mask) with context parallelism: not supported "
                                  "yet; train them at context_parallel_size 1")
-            return self.context.attention(q, k, v, self.causal)
+            return self.context.attention(q, k, v, self.causal, p, self.layer)
         if documents is not None:
             if p and keyed.layout_invariant():  # the math written out anyway: the mask costs nothing more
                 return keyed.softmax_attention(q, k, v, documents.mask(q.device), False,
@@ -404,12 +401,33 @@ class ContextParallel:
         """The global positions of this rank's tokens of a seq_length sequence."""
         return load_balanced_positions(seq_length, dist.get_world_size(self.group), dist.get_rank(self.group), device)
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-        """Attention of this rank's queries over the whole sequence's keys and values."""
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, dropout_p: float = 0.0,
+                  layer: int = 0) -> torch.Tensor:
+        """Attention of this rank's queries over the whole sequence's keys and values, with dropout
+        `dropout_p` on the probabilities: the layout-invariant mode's masks (the whole sequence's,
+        keyed by global head), or for all-to-all torch's own draw (ring attention takes only the
+        layout-invariant masks: an error otherwise)."""
+        cp_size, cp_rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        keyed_masks = bool(dropout_p) and keyed.layout_invariant()
+        first_head = layout_invariant_keys().tp_rank * q.shape[1] if keyed_masks else 0
+        seq = q.shape[2] * cp_size
         if self.comm_type == "p2p":
-            return ring_attention(q, k, v, self.group, causal)
-        return ulysses_attention(q, k, v, self.group, lambda a, b, c: F.scaled_dot_product_attention(
-            a, b, c, is_causal=causal, enable_gqa=a.shape[1] != b.shape[1]))
+            if dropout_p and not keyed_masks:
+                raise ValueError("ring attention (cp_comm_type p2p) with attention dropout needs the layout-invariant "
+                                 "masks (engine config dropout_masks.layout_invariant); or use cp_comm_type a2a, or "
+                                 "attention_dropout 0")
+            mask = keyed.whole_attention_dropout_mask(q, seq, dropout_p, layer, first_head) if keyed_masks else None
+            return ring_attention(q, k, v, self.group, causal, mask)
+
+        def attend(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:  # this rank's head group
+            if keyed_masks:
+                mask = keyed.whole_attention_dropout_mask(a, seq, dropout_p, layer, first_head + cp_rank * a.shape[1])
+                return keyed.softmax_attention(a, b, c, None, causal, mask)
+            with get_rng_tracker().fork():
+                return F.scaled_dot_product_attention(a, b, c, is_causal=causal, dropout_p=dropout_p,
+                                                      enable_gqa=a.shape[1] != b.shape[1])
+
+        return ulysses_attention(q, k, v, self.group, attend)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,9 @@ does, and the key/value gradients travel round the ring with their block and a l
 them home.
 
 q is [batch, heads, tokens here, d], k and v [batch, key/value heads, tokens here, d] (grouped-query
-attention: each key/value head serves consecutive query heads).
+attention: each key/value head serves consecutive query heads). `dropout_mask` [batch, heads, seq,
+seq] (the whole sequence, global order; the layout-invariant dropout mode's): each block's
+probabilities are multiplied by its part of it, in forward and backward alike.
 """
 
 from __future__ import annotations
@@ -47,14 +49,14 @@ class _Shift:
 
 
 def _pairs(cp_size: int, cp_rank: int, source: int, causal: bool):
-    """(query half, key/value half, causal within the pair) of the block pairs to compute when this
-    rank holds the block of `source` (fully masked pairs left out)."""
+    """(query half, key/value half, causal within the pair, query chunk, key chunk) of the block
+    pairs to compute when this rank holds the block of `source` (fully masked pairs left out)."""
     for i, q_id in enumerate(chunk_ids(cp_size, cp_rank)):
         for j, kv_id in enumerate(chunk_ids(cp_size, source)):
             if not causal or kv_id < q_id:
-                yield i, j, False
+                yield i, j, False, q_id, kv_id
             elif kv_id == q_id:
-                yield i, j, True
+                yield i, j, True, q_id, kv_id
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -63,6 +65,13 @@ def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
         mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
         scores = scores.masked_fill(~mask, float("-inf"))
     return scores
+
+
+def _block_mask(dropout_mask: torch.Tensor | None, q_id: int, kv_id: int, chunk: int) -> torch.Tensor | float:
+    """The dropout mask of the (query chunk, key chunk) block (1.0 without dropout)."""
+    if dropout_mask is None:
+        return 1.0
+    return dropout_mask[:, :, q_id * chunk:(q_id + 1) * chunk, kv_id * chunk:(kv_id + 1) * chunk]
 
 
 def _halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,9 +99,9 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal):
+    def forward(ctx, q, k, v, group, causal, dropout_mask):
         cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
-        heads = q.shape[1]
+        heads, chunk = q.shape[1], q.shape[2] // 2
         qf = q.float()
         out = [torch.zeros_like(half) for half in _halves(qf)]
         lse = [torch.full(half.shape[:3], float("-inf"), device=q.device) for half in _halves(qf)]
@@ -100,24 +109,25 @@ class _RingAttention(torch.autograd.Function):
         for step in range(cp_size):
             coming = _Shift(kv, group) if step < cp_size - 1 else None
             keys, values = (_halves(_expand(t.float(), heads)) for t in kv)
-            for i, j, pair_causal in _pairs(cp_size, cp_rank, (cp_rank - step) % cp_size, causal):
+            for i, j, pair_causal, q_id, kv_id in _pairs(cp_size, cp_rank, (cp_rank - step) % cp_size, causal):
                 scores = _scores(_halves(qf)[i], keys[j], pair_causal)
                 block_lse = torch.logsumexp(scores, dim=-1)
-                block_out = torch.matmul(torch.exp(scores - block_lse[..., None]), values[j])
+                dropped = torch.exp(scores - block_lse[..., None]) * _block_mask(dropout_mask, q_id, kv_id, chunk)
+                block_out = torch.matmul(dropped, values[j])
                 out[i], lse[i] = _merge(out[i], lse[i], block_out, block_lse)
             if coming is not None:
                 kv = coming.result()
         out, lse = torch.cat(out, dim=2), torch.cat(lse, dim=2)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, dropout_mask)
         ctx.group, ctx.causal = group, causal
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, dropout_mask = ctx.saved_tensors
         group, causal = ctx.group, ctx.causal
         cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
-        heads, kv_heads = q.shape[1], k.shape[1]
+        heads, kv_heads, chunk = q.shape[1], k.shape[1], q.shape[2] // 2
         scale = 1.0 / math.sqrt(q.shape[-1])
         qf, dout = q.float(), grad_out.float()
         delta = (dout * out).sum(-1)  # rowsum(dO o O), flash attention's D
@@ -129,10 +139,12 @@ class _RingAttention(torch.autograd.Function):
             coming = _Shift(kv, group) if step < cp_size - 1 else None
             keys, values = (_halves(_expand(t.float(), heads)) for t in kv)
             dk, dv = (list(_halves(g)) for g in dkv)
-            for i, j, pair_causal in _pairs(cp_size, cp_rank, (cp_rank - step) % cp_size, causal):
+            for i, j, pair_causal, q_id, kv_id in _pairs(cp_size, cp_rank, (cp_rank - step) % cp_size, causal):
                 probs = torch.exp(_scores(q_h[i], keys[j], pair_causal) - lse_h[i])
-                dv[j] = dv[j] + torch.matmul(probs.transpose(-2, -1), dout_h[i])
-                dscores = probs * (torch.matmul(dout_h[i], values[j].transpose(-2, -1)) - delta_h[i]) * scale
+                mask = _block_mask(dropout_mask, q_id, kv_id, chunk)
+                dv[j] = dv[j] + torch.matmul((probs * mask).transpose(-2, -1), dout_h[i])
+                dprobs = torch.matmul(dout_h[i], values[j].transpose(-2, -1)) * mask
+                dscores = probs * (dprobs - delta_h[i]) * scale
                 dq[i] = dq[i] + torch.matmul(dscores, keys[j])
                 dk[j] = dk[j] + torch.matmul(dscores.transpose(-2, -1), q_h[i])
             dkv = _Shift(torch.stack([torch.cat(dk, dim=2), torch.cat(dv, dim=2)]), group).result()  # on with its block
@@ -140,12 +152,13 @@ class _RingAttention(torch.autograd.Function):
                 kv = coming.result()
         # after CP hops every block's gradient is back with its block's owner
         grad_k, grad_v = (_fold(g, kv_heads).to(k.dtype) for g in dkv)
-        return torch.cat(dq, dim=2).to(q.dtype), grad_k, grad_v, None, None
+        return torch.cat(dq, dim=2).to(q.dtype), grad_k, grad_v, None, None, None
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, causal: bool = True) -> torch.Tensor:
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, causal: bool = True,
+                   dropout_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of this rank's queries over every rank's keys and values ([batch, heads, tokens
-    here, d], q's dtype)."""
+    here, d], q's dtype), the probabilities multiplied by `dropout_mask`'s blocks where given."""
     if q.shape[2] % 2:
         raise ValueError(f"ring attention holds two chunks per rank: {q.shape[2]} tokens here is odd")
-    return _RingAttention.apply(q, k, v, group, causal)
+    return _RingAttention.apply(q, k, v, group, causal, dropout_mask)

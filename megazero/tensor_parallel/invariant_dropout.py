@@ -14,12 +14,13 @@ row is drawn from its own generator, seeded by
 
 so any micro-batch size, DP, TP, SP, PP, v or EP layout draws identical masks for the same sample:
 - hidden-state dropout (embedding, attention output, MLP output): one mask per sample over the
-  whole sequence and hidden size, the same on every TP rank; under sequence parallelism a rank
-  draws the whole sequence's mask and keeps its slice of it;
+  whole sequence and hidden size, the same on every TP rank; under context parallelism a rank
+  draws the whole sequence's mask and keeps its chunks' rows, under sequence parallelism its slice;
 - attention-probability dropout: one mask per (sample, global head); a TP rank draws its own heads'
   (global head = TP rank x local heads + local head), and the models' attention core computes
   softmax(q k^T / sqrt(d)) with those masks, times v, written out (softmax_attention: torch's
-  fused kernel draws its own random numbers, which cannot be keyed this way).
+  fused kernel draws its own random numbers, which cannot be keyed this way); context-parallel
+  attention takes each block's part of the whole sequence's masks (whole_attention_dropout_mask).
 Masks are drawn in fp32 (bernoulli with the keep probability) whatever the compute dtype, so that
 fp32 and 16-bit runs drop the same elements; kept elements are scaled by 1 / (1 - p).
 The model keys each site by the layer that holds it (a constructor argument, not a running
@@ -42,6 +43,7 @@ import math
 
 import torch
 
+from megazero.context_parallel.split import load_balanced_positions
 from megazero.tensor_parallel.random import SampleKeys, layout_invariant_keys, stream_seed
 
 # dropout sites of a layer (the embedding's is keyed as layer 0's EMBEDDING site)
@@ -89,10 +91,13 @@ def hidden_dropout(x: torch.Tensor, p: float, layer: int, site: int, sequence_pa
     sequence's mask."""
     keys = _keys_for(x)
     local = x.shape[1]
-    full, start = (local * keys.tp_size, local * keys.tp_rank) if sequence_parallel else (local, 0)
+    here, start = (local * keys.tp_size, local * keys.tp_rank) if sequence_parallel else (local, 0)
     seeds = [stream_seed(keys.seed, _HIDDEN_STREAM, keys.step, keys.first_sample + row, layer, site)
              for row in range(keys.rows)]
-    mask = _scaled_mask((keys.rows, full, *x.shape[2:]), p, x.device, seeds)
+    mask = _scaled_mask((keys.rows, here * keys.cp_size, *x.shape[2:]), p, x.device, seeds)
+    if keys.cp_size > 1:  # this CP rank's chunks of the whole sequence
+        mask = mask.index_select(1, load_balanced_positions(here * keys.cp_size, keys.cp_size, keys.cp_rank,
+                                                            x.device))
     return x * mask[:, start:start + local].to(x.dtype)
 
 
@@ -106,6 +111,16 @@ def attention_dropout_mask(q: torch.Tensor, seq_k: int, p: float, layer: int) ->
     seeds = [stream_seed(keys.seed, _ATTENTION_STREAM, keys.step, keys.first_sample + row, layer, first_head + head)
              for row in range(keys.rows) for head in range(heads)]
     return _scaled_mask((keys.rows, heads, seq_q, seq_k), p, q.device, seeds)
+
+
+def whole_attention_dropout_mask(q: torch.Tensor, seq: int, p: float, layer: int, first_head: int) -> torch.Tensor:
+    """attention_dropout_mask's masks over the whole sequence (seq queries and keys, in global order)
+    for q.shape[1] heads from global head `first_head` on: what context-parallel attention takes
+    its blocks from ([batch, heads, seq, seq] fp32)."""
+    keys = _keys_for(q)
+    seeds = [stream_seed(keys.seed, _ATTENTION_STREAM, keys.step, keys.first_sample + row, layer, first_head + head)
+             for row in range(keys.rows) for head in range(q.shape[1])]
+    return _scaled_mask((keys.rows, q.shape[1], seq, seq), p, q.device, seeds)
 
 
 def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
@@ -138,4 +153,4 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, layer
 
 
 __all__ = ["ATTENTION_OUTPUT", "EMBEDDING", "MLP_OUTPUT", "attention", "attention_dropout_mask", "hidden_dropout",
-           "layout_invariant", "softmax_attention"]
+           "layout_invariant", "softmax_attention", "whole_attention_dropout_mask"]

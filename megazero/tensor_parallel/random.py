@@ -40,8 +40,8 @@ _ACTIVE: list[tuple[MicroBatchStreams, int, int]] = []  # the training micro-bat
 class SampleKeys:
     """What a layout-invariant dropout mask depends on besides its layer and site: the seed, the step,
     the positions in the global batch of the micro-batch's rows (first_sample, first_sample + 1, ...;
-    `rows` of them), and the TP rank and size (which attention heads, which slice of the sequence
-    under SP, this rank holds)."""
+    `rows` of them), the TP rank and size (which attention heads, which slice of the sequence under
+    SP, this rank holds) and the CP rank and size (which chunks of the sequence)."""
 
     seed: int
     step: int
@@ -49,6 +49,8 @@ class SampleKeys:
     rows: int
     tp_rank: int = 0
     tp_size: int = 1
+    cp_rank: int = 0
+    cp_size: int = 1
 
 
 _KEYED: list[SampleKeys | None] = []  # the layout-invariant micro-batch running (None: the default mode)
@@ -218,21 +220,24 @@ class MicroBatchStreams:
     """
 
     def __init__(self, seed: int, pp_rank: int = 0, tp_rank: int = 0, tp_size: int = 1,
-                 layout_invariant: bool = False):
+                 layout_invariant: bool = False, cp_rank: int = 0, cp_size: int = 1):
         self.seed = int(seed)
         self.pp_rank, self.tp_rank, self.tp_size = pp_rank, tp_rank, tp_size
+        self.cp_rank, self.cp_size = cp_rank, cp_size
+        # the default mode's streams differ per CP rank (which holds other tokens of the same samples)
+        self._cp_key = (cp_rank,) if cp_size > 1 else ()
         self.layout_invariant = layout_invariant
 
     def layer_seeds(self, step: int, index: int, layer: int) -> tuple[int, int]:
         """(default generator seed, tracker seed) of layer `layer` (its number in the whole model)
         in micro-batch `index` of step `step`: no pipeline stage in them, so every layout agrees."""
-        return (stream_seed(self.seed, _LAYER_STREAM, step, index, layer),
-                stream_seed(self.seed, _LAYER_TENSOR_PARALLEL_STREAM, step, index, layer, self.tp_rank))
+        return (stream_seed(self.seed, _LAYER_STREAM, step, index, layer, *self._cp_key),
+                stream_seed(self.seed, _LAYER_TENSOR_PARALLEL_STREAM, step, index, layer, self.tp_rank, *self._cp_key))
 
     def seeds(self, step: int, index: int) -> tuple[int, int]:
         """(default generator seed, tracker seed) of micro-batch `index` of step `step` (0-based)."""
-        return (stream_seed(self.seed, _DEFAULT_STREAM, step, index, self.pp_rank),
-                stream_seed(self.seed, _TENSOR_PARALLEL_STREAM, step, index, self.pp_rank, self.tp_rank))
+        return (stream_seed(self.seed, _DEFAULT_STREAM, step, index, self.pp_rank, *self._cp_key),
+                stream_seed(self.seed, _TENSOR_PARALLEL_STREAM, step, index, self.pp_rank, self.tp_rank, *self._cp_key))
 
     @contextlib.contextmanager
     def micro_batch(self, step: int, index: int, samples: range | None = None):
@@ -243,7 +248,8 @@ class MicroBatchStreams:
             if samples is None or samples.step != 1:
                 raise ValueError(f"layout-invariant dropout needs the micro-batch's samples as a range of "
                                  f"consecutive positions in the global batch, got {samples!r}")
-            keys = SampleKeys(self.seed, step, samples.start, len(samples), self.tp_rank, self.tp_size)
+            keys = SampleKeys(self.seed, step, samples.start, len(samples), self.tp_rank, self.tp_size, self.cp_rank,
+                              self.cp_size)
             with sample_keys_restored(keys), self._streams(step, index):
                 yield
             return

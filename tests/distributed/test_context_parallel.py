@@ -1,26 +1,31 @@
 """Context parallelism in the models and the engine: GPT and Llama at CP=2, ring (p2p) and
-all-to-all (a2a), alone and with TP=2 + SP, PP=2 and DP=2 under ZeRO-3, train as the single
+all-to-all (a2a), alone and with TP=2 + SP, PP=2 and DP=2 under ZeRO-1/2/3, train as the single
 process does over 10 steps (losses 1e-5, weights 2e-5): the model splits each sample into the
 load-balanced chunks at their global positions, the attention spans the group, the gradients are
-averaged over DP x CP and the batch is split over DP alone. Dropout is 0: context-parallel
-attention refuses attention dropout (the config says so), and the default mode's hidden dropout
-masks depend on the layout."""
+averaged over DP x CP and the batch is split over DP alone. The layouts run with dropout 0.1 on
+layout-invariant masks (every layout draws the single process's masks: the whole sequence's,
+each rank keeping its chunks' part), and a few also with dropout 0 (torch's attention kernels)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.distributed.test_model_parallel import LOSS_RTOL, PARAM_ATOL, STEPS, _assert_losses, _config
+from tests.distributed.test_model_parallel import INVARIANT, LOSS_RTOL, PARAM_ATOL, STEPS, _assert_losses, _config
 from tests.training_helpers import FAMILY, NO_DROPOUT, build_engine, train
 
-# (name, world, (TP, PP), model overrides, zero stage, micro-batch size)
+# (name, world, (TP, PP), model overrides, zero stage, micro-batch size); dropout 0.1 on layout-invariant
+# masks unless the overrides say dropout 0
+DROPOUT_0 = {"dropout": 0.0}
 LAYOUTS = [
     ("gpt_cp2_p2p", 2, (1, 1), {"context_parallel_size": 2, "cp_comm_type": "p2p"}, 0, 8),
     ("gpt_cp2_a2a", 2, (1, 1), {"context_parallel_size": 2, "cp_comm_type": "a2a"}, 1, 8),
+    ("gpt_cp2_p2p_dropout0", 2, (1, 1), {"context_parallel_size": 2, **DROPOUT_0}, 0, 8),
     ("llama_cp2_p2p", 2, (1, 1), {FAMILY: "llama", "context_parallel_size": 2, "cp_comm_type": "p2p"}, 0, 8),
     ("llama_cp2_a2a_selective", 2, (1, 1), {FAMILY: "llama", "context_parallel_size": 2, "cp_comm_type": "a2a",
                                             "recompute_granularity": "selective"}, 2, 8),
+    ("llama_cp2_a2a_dropout0", 2, (1, 1), {FAMILY: "llama", "context_parallel_size": 2, "cp_comm_type": "a2a",
+                                           **DROPOUT_0}, 0, 8),
     ("gpt_cp2_tp2_sp", 4, (2, 1), {"context_parallel_size": 2, "sequence_parallel": True}, 0, 8),
     ("llama_cp2_pp2_full_recompute", 4, (1, 2), {FAMILY: "llama", "context_parallel_size": 2,
                                                  "recompute_granularity": "full"}, 0, 4),
@@ -30,25 +35,30 @@ LAYOUTS = [
 
 @pytest.fixture(scope="module")
 def references(pools, token_dataset_prefix_module) -> dict:
-    """The single process (dropout 0) of each family: 10 steps."""
-    return {family: pools(1).run(train, _config(0, 8), token_dataset_prefix_module, STEPS, 0, None, None, None,
-                                 {**NO_DROPOUT, FAMILY: family})[0] for family in ("gpt", "llama")}
+    """The single process of each family, dropout 0.1 on layout-invariant masks and dropout 0: 10 steps."""
+    out = {}
+    for family in ("gpt", "llama"):
+        for dropout in (0.1, 0.0):
+            extra = INVARIANT if dropout else {}
+            out[family, dropout] = pools(1).run(train, _config(0, 8, **extra), token_dataset_prefix_module, STEPS, 0,
+                                                None, None, None, {"dropout": dropout, FAMILY: family})[0]
+    return out
 
 
 @pytest.mark.parametrize("name,world,layout,overrides,stage,micro", LAYOUTS, ids=[x[0] for x in LAYOUTS])
 def test_context_parallel_trains_as_the_single_process(pools, references, token_dataset_prefix_module, name, world,
                                                        layout, overrides, stage, micro):
-    reference = references[overrides.get(FAMILY, "gpt")]
-    results = pools(world).run(train, _config(stage, micro), token_dataset_prefix_module, STEPS, 0, None, None, None,
-                               {**NO_DROPOUT, **overrides}, layout)
+    dropout = overrides.get("dropout", 0.1)
+    reference = references[overrides.get(FAMILY, "gpt"), dropout]
+    extra = INVARIANT if dropout else {}
+    results = pools(world).run(train, _config(stage, micro, **extra), token_dataset_prefix_module, STEPS, 0, None,
+                               None, None, {"dropout": dropout, **overrides}, layout)
     for rank_result in results:
         _assert_losses(reference["losses"], rank_result["losses"], LOSS_RTOL)
         assert rank_result["params"].keys() == reference["params"].keys()
         for key, value in reference["params"].items():
             torch.testing.assert_close(rank_result["params"][key], value, rtol=0, atol=PARAM_ATOL, msg=key)
     assert reference["losses"][-1] < reference["losses"][0]
-
-
 
 def _what_each_rank_computes(prefix: str) -> tuple[list[int], list[int]]:
     """(the first block's input shape, the global positions) on this rank of a CP=2 GPT."""
@@ -63,3 +73,17 @@ def test_each_rank_computes_its_load_balanced_half(pools, token_dataset_prefix_m
     (shape0, positions0), (shape1, positions1) = pools(2).run(_what_each_rank_computes, token_dataset_prefix_module)
     assert shape0 == shape1 == [8, 16, 64]  # 8 samples, half of the 32 tokens each
     assert positions0 == list(range(0, 8)) + list(range(24, 32)) and positions1 == list(range(8, 24))
+
+
+def _ring_with_default_dropout(prefix: str) -> str:
+    engine, loader = build_engine(_config(0, 8), prefix, 0, {"context_parallel_size": 2}, (1, 1))
+    try:
+        engine.train_batch(iter(loader))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_ring_attention_dropout_needs_the_layout_invariant_masks(pools, token_dataset_prefix_module):
+    for message in pools(2).run(_ring_with_default_dropout, token_dataset_prefix_module):
+        assert "ring attention (cp_comm_type p2p) with attention dropout needs the layout-invariant masks" in message

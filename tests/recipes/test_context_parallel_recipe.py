@@ -1,9 +1,11 @@
 """The Llama recipe with --context-parallel-size 2 (ring and all-to-all) on 2 gloo ranks logs the
-losses of --context-parallel-size 1 (the same global batch: DP 2 there, CP 2 here), names CP in
+losses of --context-parallel-size 1 (the same global batch: DP 2 there, CP 2 here), with dropout
+0.1 on layout-invariant masks (an engine JSON with dropout_masks.layout_invariant), names CP in
 its header, and its checkpoint continues at CP 1 exactly as the CP 1 checkpoint does."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -18,14 +20,19 @@ pytestmark = pytest.mark.slow
 SHAPE = ("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
          "--seq-length", "64", "--global-batch-size", "8", "--micro-batch-size", "4", "--lr", "0.005",
          "--log-interval", "1", "--eval-interval", "100", "--eval-iters", "1", "--peak-flops", "1e11",
-         "--sample-tokens", "0", "--dropout", "0")
+         "--sample-tokens", "0", "--dropout", "0.1")
 
 
 def _llama(tmp_path, name: str, *flags: str) -> str:
+    engine = tmp_path / "engine.json"
+    if not engine.exists():  # the recipe's engine JSON, with every layout drawing the same dropout masks
+        with open(os.path.join(REPO, "configs", "ds_gpt2_cpu.json")) as f:
+            config = json.load(f)
+        engine.write_text(json.dumps({**config, "dropout_masks": {"layout_invariant": True}}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            os.path.join(REPO, "scripts", "pretrain_llama.py"), "--data-path",
            os.path.join(REPO, "data", "gpt2", "shakespeare"), *SHAPE, "--tensorboard-dir", str(tmp_path / f"tb_{name}"),
-           *flags]
+           "--deepspeed_config", str(engine), *flags]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
                           timeout=600, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
