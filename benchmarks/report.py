@@ -363,6 +363,11 @@ SECTIONS = [
     Section("preprocess", "Streaming preprocessing", "bench_preprocess.py",
             "scripts/preprocess_data.py over generated jsonl corpora with 1 and 2 workers (MB/s, peak RSS at "
             "twice the input) and the time to build a 3-dataset blend index.", render_preprocess),
+    Section("context", "Context parallelism on long sequences", "bench_context.py",
+            "The CPU Llama at each sequence length, one sample per step: CP=1 (one process, both cores) against "
+            "CP=2 (two gloo ranks, one core each) with ring (p2p) and all-to-all (a2a) attention, one after another "
+            "in one run: activations kept for backward per rank, peak RSS, tokens/s and the ratios to CP=1 (the "
+            "sample's first loss is the same in every mode)."),
     Section("largest_model", "The largest model per rank memory", "largest_model.py",
             "The largest GPT that trains a step at DP=2 with each rank's address space capped: torch DDP, megazero "
             "ZeRO-3 under zero.Init, and ZeRO-3 with parameters and optimizer on NVMe.", render_largest),

@@ -11,7 +11,9 @@ optimizer states on disk (the "disk GiB" column) and only the sub-group buffers 
 2-3 the reduced gradients too (memory: the step's read and backward's write buffers). With
 --offload-param nvme (stage 3 only) the partitioned parameters are on disk too, and memory keeps
 the persistent parameters (--persistent-params elements, 0 if not given) and at most --max-in-cpu
-cached partition elements.
+cached partition elements. Context parallelism changes no model state: its ranks join the
+data-parallel group ZeRO partitions over (--num-ranks DP x CP); it divides the activations, which
+this estimate leaves out, by CP.
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-config", default=os.path.join(REPO, "configs", "gpt2_1.5b.json"))
     parser.add_argument("--num-params", type=int, default=None, help="instead of --model-config")
-    parser.add_argument("--num-ranks", type=int, default=64)
+    parser.add_argument("--num-ranks", type=int, default=64,
+                        help="the data-parallel ranks ZeRO partitions over: DP, or DP x CP with context parallelism "
+                             "(a model replica's context-parallel ranks share its states' partitions)")
     parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="bf16")
     parser.add_argument("--optimizer", default="adam", help="adam, adamw, lamb, sgd")
     parser.add_argument("--offload-optimizer", choices=["none", "cpu", "nvme"], default="none",

@@ -94,9 +94,16 @@ def model_config_of(run: RunConfig, config_class: type, vocab_size: int):
     elif parallel.context_parallel_size > 1:
         raise SystemExit(f"[megazero] --context-parallel-size {parallel.context_parallel_size}: the "
                          f"{config_class.__name__} has no context parallelism (GPT and Llama do)")
-    return config_class(**dataclasses.asdict(run.model), vocab_size=vocab_size,
-                        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
-                        sequence_parallel=parallel.sequence_parallel, **context)
+    config = config_class(**dataclasses.asdict(run.model), vocab_size=vocab_size,
+                          tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+                          sequence_parallel=parallel.sequence_parallel, **context)
+    if (parallel.context_parallel_size > 1 and parallel.cp_comm_type == "p2p" and config.attention_dropout_rate
+            and not run.engine_config().dropout_masks.layout_invariant):
+        raise SystemExit(f"[megazero] --context-parallel-size {parallel.context_parallel_size} with ring attention "
+                         f"(--cp-comm-type p2p) takes attention dropout ({config.attention_dropout_rate}) only on the "
+                         f"layout-invariant masks (engine JSON dropout_masks.layout_invariant true): set that, or "
+                         f"--cp-comm-type a2a, or --attention-dropout 0")
+    return config
 
 
 def _spellings(argv: list[str]) -> list[tuple[str, str]]:

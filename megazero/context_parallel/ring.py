@@ -13,7 +13,9 @@ and those block pairs are skipped.
 Only q, k, v, the output and the log-sum-exp are kept for backward (no block's probabilities):
 backward recomputes each block's probabilities from the final log-sum-exp, as flash attention
 does, and the key/value gradients travel round the ring with their block and a last hop takes
-them home.
+them home. On CPUs each block runs torch's fused flash-attention kernels (forward returns the
+block's log-sum-exp, backward takes the row's); with dropout masks, and on other devices, the
+math is written out in fp32.
 
 q is [batch, heads, tokens here, d], k and v [batch, key/value heads, tokens here, d] (grouped-query
 attention: each key/value head serves consecutive query heads). `dropout_mask` [batch, heads, seq,
@@ -97,30 +99,59 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
     return out * torch.exp(lse - merged)[..., None] + block_out * torch.exp(block_lse - merged)[..., None], merged
 
 
+def _fused(x: torch.Tensor, dropout_mask: torch.Tensor | None) -> bool:
+    """Whether the blocks run on torch's fused CPU attention kernels (which return the log-sum-exp
+    and take it back in backward); the written-out math otherwise (dropout masks, other devices)."""
+    return dropout_mask is None and x.device.type == "cpu"
+
+
+def _block_forward(q, k, v, causal: bool, mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, log-sum-exp) of one block pair, fp32; q, k, v in the model's dtype."""
+    if _fused(q, mask if torch.is_tensor(mask) else None):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+        return out.float(), lse.float()
+    scores = _scores(q.float(), k.float(), causal)
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse[..., None]) * mask, v.float()), lse
+
+
+def _block_backward(dout, q, k, v, out, lse, causal: bool, mask) -> tuple[torch.Tensor, ...]:
+    """(dq, dk, dv) in fp32 of one block pair, from the whole row's output and log-sum-exp (the
+    block's share of the gradient, as flash attention's backward computes it)."""
+    if _fused(q, mask if torch.is_tensor(mask) else None):
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse.contiguous(), 0.0, causal)
+        return tuple(g.float() for g in grads)
+    qf, kf, vf, doutf = q.float(), k.float(), v.float(), dout.float()
+    probs = torch.exp(_scores(qf, kf, causal) - lse[..., None])
+    delta = (doutf * out.float()).sum(-1, keepdim=True)  # rowsum(dO o O), flash attention's D
+    dscores = probs * (torch.matmul(doutf, vf.transpose(-2, -1)) * mask - delta) / math.sqrt(q.shape[-1])
+    return (torch.matmul(dscores, kf), torch.matmul(dscores.transpose(-2, -1), qf),
+            torch.matmul((probs * mask).transpose(-2, -1), doutf))
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, causal, dropout_mask):
         cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
         heads, chunk = q.shape[1], q.shape[2] // 2
-        qf = q.float()
-        out = [torch.zeros_like(half) for half in _halves(qf)]
-        lse = [torch.full(half.shape[:3], float("-inf"), device=q.device) for half in _halves(qf)]
+        q_h = [half.contiguous() for half in _halves(q)]
+        out = [torch.zeros(half.shape, device=q.device) for half in q_h]
+        lse = [torch.full(half.shape[:3], float("-inf"), device=q.device) for half in q_h]
         kv = torch.stack([k, v]).contiguous()
         for step in range(cp_size):
             coming = _Shift(kv, group) if step < cp_size - 1 else None
-            keys, values = (_halves(_expand(t.float(), heads)) for t in kv)
+            keys, values = ([half.contiguous() for half in _halves(_expand(t, heads))] for t in kv)
             for i, j, pair_causal, q_id, kv_id in _pairs(cp_size, cp_rank, (cp_rank - step) % cp_size, causal):
-                scores = _scores(_halves(qf)[i], keys[j], pair_causal)
-                block_lse = torch.logsumexp(scores, dim=-1)
-                dropped = torch.exp(scores - block_lse[..., None]) * _block_mask(dropout_mask, q_id, kv_id, chunk)
-                block_out = torch.matmul(dropped, values[j])
-                out[i], lse[i] = _merge(out[i], lse[i], block_out, block_lse)
+                block = _block_forward(q_h[i], keys[j], values[j], pair_causal,
+                                       _block_mask(dropout_mask, q_id, kv_id, chunk))
+                out[i], lse[i] = _merge(out[i], lse[i], *block)
             if coming is not None:
                 kv = coming.result()
-        out, lse = torch.cat(out, dim=2), torch.cat(lse, dim=2)
+        out, lse = torch.cat(out, dim=2).to(q.dtype), torch.cat(lse, dim=2)
         ctx.save_for_backward(q, k, v, out, lse, dropout_mask)
         ctx.group, ctx.causal = group, causal
-        return out.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -128,25 +159,20 @@ class _RingAttention(torch.autograd.Function):
         group, causal = ctx.group, ctx.causal
         cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
         heads, kv_heads, chunk = q.shape[1], k.shape[1], q.shape[2] // 2
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        qf, dout = q.float(), grad_out.float()
-        delta = (dout * out).sum(-1)  # rowsum(dO o O), flash attention's D
-        q_h, dout_h, lse_h, delta_h = _halves(qf), _halves(dout), _halves(lse[..., None]), _halves(delta[..., None])
-        dq = [torch.zeros_like(half) for half in q_h]
+        q_h, dout_h, out_h, lse_h = ([half.contiguous() for half in _halves(t)]
+                                     for t in (q, grad_out.to(q.dtype), out, lse[..., None]))
+        lse_h = [half[..., 0] for half in lse_h]
+        dq = [torch.zeros(half.shape, device=q.device) for half in q_h]
         kv = torch.stack([k, v]).contiguous()
         dkv = torch.zeros(2, *q.shape[:2], k.shape[2], q.shape[3], device=q.device)  # expanded heads, fp32
         for step in range(cp_size):
             coming = _Shift(kv, group) if step < cp_size - 1 else None
-            keys, values = (_halves(_expand(t.float(), heads)) for t in kv)
+            keys, values = ([half.contiguous() for half in _halves(_expand(t, heads))] for t in kv)
             dk, dv = (list(_halves(g)) for g in dkv)
             for i, j, pair_causal, q_id, kv_id in _pairs(cp_size, cp_rank, (cp_rank - step) % cp_size, causal):
-                probs = torch.exp(_scores(q_h[i], keys[j], pair_causal) - lse_h[i])
-                mask = _block_mask(dropout_mask, q_id, kv_id, chunk)
-                dv[j] = dv[j] + torch.matmul((probs * mask).transpose(-2, -1), dout_h[i])
-                dprobs = torch.matmul(dout_h[i], values[j].transpose(-2, -1)) * mask
-                dscores = probs * (dprobs - delta_h[i]) * scale
-                dq[i] = dq[i] + torch.matmul(dscores, keys[j])
-                dk[j] = dk[j] + torch.matmul(dscores.transpose(-2, -1), q_h[i])
+                grads = _block_backward(dout_h[i], q_h[i], keys[j], values[j], out_h[i], lse_h[i], pair_causal,
+                                        _block_mask(dropout_mask, q_id, kv_id, chunk))
+                dq[i], dk[j], dv[j] = dq[i] + grads[0], dk[j] + grads[1], dv[j] + grads[2]
             dkv = _Shift(torch.stack([torch.cat(dk, dim=2), torch.cat(dv, dim=2)]), group).result()  # on with its block
             if coming is not None:
                 kv = coming.result()
