@@ -9,9 +9,8 @@ each rank keeping its chunks' part), and a few also with dropout 0 (torch's atte
 from __future__ import annotations
 
 import pytest
-import torch
 
-from tests.distributed.test_model_parallel import INVARIANT, LOSS_RTOL, PARAM_ATOL, STEPS, _assert_losses, _config
+from tests.distributed.test_model_parallel import INVARIANT, STEPS, _config, assert_matches_reference
 from tests.training_helpers import FAMILY, NO_DROPOUT, build_engine, train
 
 # (name, world, (TP, PP), model overrides, zero stage, micro-batch size); dropout 0.1 on layout-invariant
@@ -53,12 +52,7 @@ def test_context_parallel_trains_as_the_single_process(pools, references, token_
     extra = INVARIANT if dropout else {}
     results = pools(world).run(train, _config(stage, micro, **extra), token_dataset_prefix_module, STEPS, 0, None,
                                None, None, {"dropout": dropout, **overrides}, layout)
-    for rank_result in results:
-        _assert_losses(reference["losses"], rank_result["losses"], LOSS_RTOL)
-        assert rank_result["params"].keys() == reference["params"].keys()
-        for key, value in reference["params"].items():
-            torch.testing.assert_close(rank_result["params"][key], value, rtol=0, atol=PARAM_ATOL, msg=key)
-    assert reference["losses"][-1] < reference["losses"][0]
+    assert_matches_reference(reference, results)
 
 def _what_each_rank_computes(prefix: str) -> tuple[list[int], list[int]]:
     """(the first block's input shape, the global positions) on this rank of a CP=2 GPT."""

@@ -19,7 +19,15 @@ import torch
 
 from tests.distributed.test_checkpoint_layouts import _assert_continues
 from tests.distributed.test_checkpoint_layouts import _run as _run_layout
-from tests.distributed.test_model_parallel import GRAD_RTOL, LOSS_RTOL, PARAM_ATOL, STEPS, _assert_losses, _config
+from tests.distributed.test_model_parallel import (
+    GRAD_RTOL,
+    LOSS_RTOL,
+    PARAM_ATOL,
+    STEPS,
+    _assert_losses,
+    _config,
+    assert_matches_reference,
+)
 from tests.training_helpers import FAMILY, base_config, first_step_gradients, train
 
 LLAMA = {FAMILY: "llama"}  # TINY_LLAMA's dropout 0.1
@@ -61,12 +69,7 @@ def test_llama_layout_matches_single_process(pools, references, token_dataset_pr
     zero = {"stage": stage, "reduce_bucket_size": 20000, "stage3_param_persistence_threshold": 0}
     results = pools(world).run(train, _config(stage, micro, **INVARIANT), token_dataset_prefix_module, STEPS, 0, None,
                                None, None, overrides, layout)
-    for rank_result in results:
-        _assert_losses(reference["losses"], rank_result["losses"], LOSS_RTOL)
-        assert rank_result["params"].keys() == reference["params"].keys()
-        for key, value in reference["params"].items():
-            torch.testing.assert_close(rank_result["params"][key], value, rtol=0, atol=PARAM_ATOL, msg=key)
-    assert reference["losses"][-1] < reference["losses"][0]
+    assert_matches_reference(reference, results)
     gradients = pools(world).run(first_step_gradients, token_dataset_prefix_module, layout, overrides,
                                  {"train_micro_batch_size_per_gpu": micro, "zero_optimization": zero, **INVARIANT})
     for grads in gradients:
