@@ -2,12 +2,17 @@
 at each sequence length, one sample per step, run as CP=1 (one process, both cores) and CP=2 (two
 gloo ranks, one core each) with ring (p2p) and all-to-all (a2a) attention, one after another in
 one run: the activations each rank keeps for backward (engine.last_activation_bytes), its peak RSS
-and tokens/s, with the CP=2 / CP=1 ratios.
+and tokens/s, with the CP=2 / CP=1 ratios. Sequences longer than 8k time --long-steps steps (one
+step of 32k tokens takes minutes here).
 
-    python benchmarks/bench_context.py [--seq-lengths 2048 4096 8192] [--steps 3]
+Then the longest sequence that trains a step under a per-rank memory cap (RLIMIT_AS, --cap-gib, as
+benchmarks/largest_model.py caps ranks: running out is a clean allocation error), for each mode:
+doubled from 2k until a step fails, then bisected to --granule tokens, every try in fresh processes.
+
+    python benchmarks/bench_context.py [--seq-lengths 2048 4096 8192 16384 32768] [--steps 3] [--cap-gib 6]
 
 Targets (issue 38): activations per rank at CP=2 <= 0.55x CP=1's at 8k and beyond; CP=2 tokens/s
->= 0.9x CP=1's at 8k.
+>= 0.9x CP=1's at 8k; the longest sequence under the cap at CP=2 >= 1.8x CP=1's.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import resource
 import socket
 import statistics
 import time
+from queue import Empty
 
 import torch
 import torch.distributed as dist
@@ -26,7 +32,8 @@ import torch.multiprocessing as mp
 from benchmarks.record import REPO, write_result
 
 MODES = [("cp1", 1, "p2p"), ("cp2_p2p", 2, "p2p"), ("cp2_a2a", 2, "a2a")]
-ACTIVATION_TARGET, SPEED_TARGET = 0.55, 0.9
+ACTIVATION_TARGET, SPEED_TARGET, LONGEST_TARGET = 0.55, 0.9, 1.8
+LONG = 8192  # longer sequences time --long-steps steps
 
 
 def _free_port() -> int:
@@ -35,8 +42,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank: int, world: int, port: int, seq: int, comm: str, steps: int, queue) -> None:
-    """One rank of one mode: a few timed optimizer steps on random tokens."""
+def _rank(rank: int, world: int, port: int, seq: int, comm: str, steps: int, queue, cap_bytes: int | None) -> None:
+    """One rank of one mode: a few timed optimizer steps on random tokens (under an address-space
+    cap where given: a failed allocation is reported as {"error": ...} instead)."""
+    if cap_bytes is not None:
+        resource.setrlimit(resource.RLIMIT_AS, (cap_bytes, cap_bytes))
+    try:
+        result = _train(rank, world, port, seq, comm, steps)
+    except Exception as e:  # out of memory (also while importing), or the peer's failure seen in a collective
+        result = {"error": f"{type(e).__name__}: {str(e)[:160]}"}
+    if rank == 0 or "error" in result:
+        queue.put(result)
+        queue.close()
+        queue.join_thread()
+    # gloo's p2p threads can abort the interpreter's exit ("terminate called without an active
+    # exception"), and a rank whose peer failed may wait in a collective: leave without teardown
+    os._exit(0)
+
+
+def _train(rank: int, world: int, port: int, seq: int, comm: str, steps: int) -> dict:
     import megazero
     from megazero import parallel_state
     from models.llama import LlamaConfig
@@ -69,38 +93,95 @@ def _rank(rank: int, world: int, port: int, seq: int, comm: str, steps: int, que
         losses.append(loss.item() / world)
     activations = torch.tensor([float(engine.last_activation_bytes)])
     dist.all_reduce(activations, op=dist.ReduceOp.MAX)
-    if rank == 0:
-        queue.put({"step_s": statistics.median(times), "activation_mib": activations.item() / 2**20,
-                   "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "losses": losses})
-        queue.close()
-        queue.join_thread()
-    dist.destroy_process_group()
-    # gloo's p2p threads can abort the interpreter's exit ("terminate called without an active
-    # exception"): the result is delivered, so leave without the C++ destructors
-    os._exit(0)
+    return {"step_s": statistics.median(times) if times else None, "activation_mib": activations.item() / 2**20,
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "losses": losses}
 
 
-def measure(seq: int, world: int, comm: str, steps: int) -> dict:
-    """One mode at one sequence length, in fresh processes."""
+def measure(seq: int, world: int, comm: str, steps: int, cap_bytes: int | None = None) -> dict:
+    """One mode at one sequence length, in fresh processes (the first error any rank reports, under
+    a cap)."""
     context = mp.get_context("spawn")
     queue = context.Queue()
     port = _free_port()
-    procs = [context.Process(target=_rank, args=(r, world, port, seq, comm, steps, queue)) for r in range(world)]
+    procs = [context.Process(target=_rank, args=(r, world, port, seq, comm, steps, queue, cap_bytes))
+             for r in range(world)]
     for p in procs:
         p.start()
-    result = queue.get(timeout=3600)
-    for p in procs:
-        p.join()
-        if p.exitcode:
-            raise RuntimeError(f"seq {seq}, CP {world} ({comm}): rank exited with {p.exitcode}")
-    result["tokens_per_s"] = seq / result["step_s"]
+    try:
+        result = _result(queue, procs)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():  # waiting on a failed peer
+                p.kill()
+                p.join()
+    if "error" in result:
+        if cap_bytes is None:
+            raise RuntimeError(f"seq {seq}, CP {world} ({comm}): {result['error']}")
+        return result
+    if any(p.exitcode for p in procs):
+        raise RuntimeError(f"seq {seq}, CP {world} ({comm}): a rank exited with "
+                           f"{[p.exitcode for p in procs]}")
+    if result["step_s"]:
+        result["tokens_per_s"] = seq / result["step_s"]
     return result
+
+
+def _result(queue, procs, timeout: float = 3600) -> dict:
+    """The first result a rank puts on the queue; an error if every rank has exited without one."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return queue.get(timeout=5)
+        except Empty:
+            if not any(p.is_alive() for p in procs):
+                try:
+                    return queue.get(timeout=1)
+                except Empty:
+                    return {"error": f"the ranks exited without a result: {[p.exitcode for p in procs]}"}
+    return {"error": f"no result in {timeout} s"}
+
+
+def longest(world: int, comm: str, cap_bytes: int, granule: int, start: int = 2048) -> tuple[int, list]:
+    """The longest sequence (a multiple of granule) whose step runs under the cap, and every try
+    as (seq, fits)."""
+    tries = []
+
+    def fits(seq: int) -> bool:
+        ok = "error" not in measure(seq, world, comm, 0, cap_bytes)
+        tries.append((seq, ok))
+        print(f"  cap: CP {world} ({comm}) seq {seq}: {'fits' if ok else 'out of memory'}", flush=True)
+        return ok
+
+    return search_longest(fits, start, granule), tries
+
+
+def search_longest(fits, start: int, granule: int) -> int:
+    """The largest multiple of granule n >= start with fits(n) (0 if start does not fit), assuming
+    fits is monotone: doubling from start until a try fails, then bisecting."""
+    if not fits(start):
+        return 0
+    good, bad = start, 2 * start
+    while fits(bad):
+        good, bad = bad, 2 * bad
+    while bad - good > granule:
+        middle = (good + bad) // 2 // granule * granule
+        if fits(middle):
+            good = middle
+        else:
+            bad = middle
+    return good
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seq-lengths", type=int, nargs="+", default=[2048, 4096, 8192])
+    parser.add_argument("--seq-lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
     parser.add_argument("--steps", type=int, default=3, help="timed steps per mode (after one warm-up step)")
+    parser.add_argument("--long-steps", type=int, default=1, help=f"timed steps beyond {LONG} tokens")
+    parser.add_argument("--cap-gib", type=float, default=6.0,
+                        help="per-rank address-space cap of the longest-sequence search (0: no search)")
+    parser.add_argument("--granule", type=int, default=512, help="the longest sequence's resolution (tokens)")
+    parser.add_argument("--search-start", type=int, default=2048, help="the longest-sequence search's first try")
     parser.add_argument("--out", default=None, help="result file (default benchmarks/results/context.json)")
     args = parser.parse_args(argv)
     rows = []
@@ -109,7 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
     for seq in args.seq_lengths:
         base = None
         for name, world, comm in MODES:
-            r = measure(seq, world, comm, args.steps)
+            r = measure(seq, world, comm, args.steps if seq <= LONG else args.long_steps)
             base = base or r
             row = {"seq_length": seq, "mode": name, "step_s": round(r["step_s"], 3),
                    "tokens_per_s": round(r["tokens_per_s"], 1), "activation_mib": round(r["activation_mib"], 1),
@@ -129,9 +210,23 @@ def main(argv: list[str] | None = None) -> dict:
             verdicts.append(f"seq {row['seq_length']} {row['mode']}: activations {row['activation_vs_cp1']:.2f}x CP1 "
                             f"(target <= {ACTIVATION_TARGET}: {memory}), tokens/s {row['tokens_per_s_vs_cp1']:.2f}x "
                             f"(target >= {SPEED_TARGET}: {speed})")
+    longest_rows = []
+    if args.cap_gib:
+        cap = int(args.cap_gib * 2**30)
+        for name, world, comm in MODES:
+            seq, tries = longest(world, comm, cap, args.granule, args.search_start)
+            longest_rows.append({"mode": name, "cap_gib": args.cap_gib, "longest_seq": seq, "tries": tries,
+                                 "vs_cp1": round(seq / longest_rows[0]["longest_seq"], 3) if longest_rows else 1.0})
+        for row in longest_rows:
+            print(f"under {args.cap_gib} GiB per rank: {row['mode']:>8} trains {row['longest_seq']} tokens "
+                  f"({row['vs_cp1']:.2f}x CP1)", flush=True)
+            if row["mode"] != "cp1":
+                met = "met" if row["vs_cp1"] >= LONGEST_TARGET else "NOT met"
+                verdicts.append(f"longest sequence under {args.cap_gib} GiB per rank, {row['mode']}: "
+                                f"{row['vs_cp1']:.2f}x CP1 (target >= {LONGEST_TARGET}: {met})")
     for line in verdicts:
         print(line)
-    result = {"rows": rows, "verdicts": verdicts}
+    result = {"rows": rows, "longest": longest_rows, "verdicts": verdicts}
     write_result("context", result, args=args, argv=argv, out=args.out)
     return result
 

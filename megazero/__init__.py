@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from megazero import accelerator, parallel_state, tensor_parallel, zero  # noqa: F401  (as in DeepSpeed / Megatron)
 from megazero.config import ConfigError, EngineConfig, parse_config
-from megazero.distributed import init_distributed
+from megazero.distributed import init_distributed, settle_collectives_at_exit
 from megazero.engine import Engine
 from megazero.model_contract import tied_parameters
 from megazero.parallel_state import grid_from_mpu
@@ -68,6 +68,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     config = _config_source(args, config)
     if not dist.is_initialized():
         init_distributed()
+    settle_collectives_at_exit()  # also where the caller started torch.distributed itself
     grid = grid_from_mpu(mpu)
     dp_group = grid.dp_group if grid is not None else None
     # the batch triad counts the ranks that read different samples: DP without CP

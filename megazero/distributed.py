@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -17,6 +19,7 @@ __all__ = ["BACKEND_ENV", "LaunchEnv", "all_reduce_sum", "all_reduce_values", "d
 
 
 BACKEND_ENV = "MEGAZERO_DIST_BACKEND"  # e.g. gloo: tests on a GPU host, CPU runs beside a GPU job
+SETTLE_AT_EXIT_S = 0.1  # how long the GIL is free at exit for the collectives' threads to finish
 
 
 def resolve_backend(dist_backend: str | None = None, env: dict | None = None,
@@ -69,7 +72,31 @@ def init_distributed(dist_backend: str | None = None, timeout: datetime.timedelt
     else:
         dist.init_process_group(backend=backend, init_method=init_method or "env://", rank=launch.rank,
                                 world_size=launch.world_size, timeout=timeout)
+    settle_collectives_at_exit()
     return launch
+
+
+def settle_collectives_at_exit() -> None:
+    """Make the interpreter's exit wait a moment for the collectives' threads (once per process;
+    init_distributed and megazero.initialize call it)."""
+    global _SETTLE_REGISTERED
+    if not _SETTLE_REGISTERED:
+        atexit.register(_let_collectives_settle_at_exit)
+        _SETTLE_REGISTERED = True
+
+
+_SETTLE_REGISTERED = False
+
+
+def _let_collectives_settle_at_exit() -> None:
+    """Release the GIL for a moment before the interpreter finalises. A gloo worker thread drops
+    its finished collective's tensors just after the waiter wakes, which takes the GIL; at
+    finalisation a thread that asks for the GIL is made to exit, and unwinding through the C++
+    frames aborts the process ("terminate called without an active exception") after a run that
+    otherwise succeeded (seen on DeepSpeed's CIFAR-10 tutorial, which ends without
+    destroy_process_group)."""
+    if dist.is_initialized():
+        time.sleep(SETTLE_AT_EXIT_S)
 
 
 @watched("all-reduce of values")

@@ -6,7 +6,9 @@ layers without a tp_group), one seed per layer so every shard and pipeline stage
 slice of the single-process model, and `layers` / `pre_process` / `post_process` to build a
 pipeline stage (chosen for each rank by models/parallelize.py). Post-LayerNorm (the original
 BERT) or pre-LayerNorm blocks. Sequence parallelism (LayerNorm, dropout and residual activations
-split along the sequence over the TP ranks) as in models/gpt.py.
+split along the sequence over the TP ranks) as in models/gpt.py. Context parallelism as GPT's:
+each rank of the cp_group takes its chunks of every sample, attention (not causal: every query
+sees every real token) spans the group, the padding mask is the whole sequence's.
 
 Bert(config) is the plain model, without recomputation; Bert(config, speed_options=True), what
 models/parallelize.py builds, runs the config's `recompute_granularity` (full: whole layers, the
@@ -24,12 +26,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megazero import tensor_parallel as tp
+from megazero.context_parallel.comm import broadcast_from_first
 from megazero.tensor_parallel import invariant_dropout as keyed
 from megazero.tensor_parallel.random import layer_stream
 from megazero.tensor_parallel.utils import set_tensor_parallel_attributes
 from models.common import (
     PLAIN,
     AttentionCore,
+    ContextParallel,
     ModelConfig,
     SpeedOptions,
     StageContract,
@@ -67,6 +71,8 @@ class BertConfig(ModelConfig):
     recompute_num_layers: int | None = None  # with "full": the first N layers of each stage (default: all)
     tensor_model_parallel_size: int = 1  # must equal the size of the tp_group the model is built with
     sequence_parallel: bool = False  # split LayerNorm/dropout activations along the sequence across TP ranks
+    context_parallel_size: int = 1  # ranks each sample's sequence is split over (the cp_group's size)
+    cp_comm_type: str = "p2p"  # context parallelism's attention: "p2p" (ring) or "a2a" (all-to-all, Ulysses)
 
     def __post_init__(self):
         self.check_positions()
@@ -83,6 +89,7 @@ class BertConfig(ModelConfig):
             raise ValueError(f"recompute_num_layers {self.recompute_num_layers} needs recompute_granularity 'full', "
                              f"got {self.recompute_granularity!r}")
         self.check_tensor_parallel()
+        self.check_context_parallel()
         if self.sequence_parallel and self.seq_length % self.tensor_model_parallel_size:
             raise ValueError(f"sequence_parallel: seq_length {self.seq_length} is not divisible by "
                              f"tensor_model_parallel_size {self.tensor_model_parallel_size}")
@@ -91,7 +98,8 @@ class BertConfig(ModelConfig):
 class SelfAttention(nn.Module):
     """Bidirectional multi-head attention over the non-padding tokens; this TP rank's heads."""
 
-    def __init__(self, config: BertConfig, tp_group=None, layer: int = 0, speed: SpeedOptions = PLAIN):
+    def __init__(self, config: BertConfig, tp_group=None, layer: int = 0, speed: SpeedOptions = PLAIN,
+                 context: ContextParallel | None = None):
         super().__init__()
         self.num_heads = config.num_attention_heads // config.tensor_model_parallel_size
         self.head_dim = config.hidden_size // config.num_attention_heads
@@ -99,7 +107,8 @@ class SelfAttention(nn.Module):
         self.qkv = tp.ColumnParallelLinear(config.hidden_size, 3 * config.hidden_size, tp_group,
                                            init_method=normal_init(config.init_method_std), stride=3,
                                            sequence_parallel=sp)
-        self.core = AttentionCore(config.attention_dropout_rate, layer, causal=False, recompute=speed.attention)
+        self.core = AttentionCore(config.attention_dropout_rate, layer, causal=False, recompute=speed.attention,
+                                  context=context)
         self.proj = tp.RowParallelLinear(config.hidden_size, config.hidden_size, tp_group,
                                          init_method=normal_init(config.init_method_std), sequence_parallel=sp)
 
@@ -114,12 +123,13 @@ class SelfAttention(nn.Module):
 class Layer(nn.Module):
     """Attention and GeLU MLP, each with a residual: post-LN ln(x + f(x)) or pre-LN x + f(ln(x))."""
 
-    def __init__(self, config: BertConfig, tp_group=None, layer: int = 0, speed: SpeedOptions = PLAIN):
+    def __init__(self, config: BertConfig, tp_group=None, layer: int = 0, speed: SpeedOptions = PLAIN,
+                 context: ContextParallel | None = None):
         super().__init__()
         self.post_ln = config.post_layer_norm
         sp = self.sequence_parallel = config.sequence_parallel
         self.ln_1 = tp.LayerNorm(config.hidden_size, config.layernorm_epsilon, tp_group, sp, speed.fused_kernels)
-        self.attn = SelfAttention(config, tp_group, layer, speed)
+        self.attn = SelfAttention(config, tp_group, layer, speed, context)
         self.ln_2 = tp.LayerNorm(config.hidden_size, config.layernorm_epsilon, tp_group, sp, speed.fused_kernels)
         self.fc = tp.ColumnParallelLinear(config.hidden_size, config.ffn_hidden_size, tp_group,
                                           init_method=normal_init(config.init_method_std), sequence_parallel=sp)
@@ -151,14 +161,15 @@ class Bert(StageContract, nn.Module):
 
     Batch keys: input_ids, token_type_ids, padding_mask (True for real tokens), labels (original
     ids at masked positions), loss_mask (1.0 where a token was masked), sentence_order (0/1).
-    tp_group, layers, pre_process, post_process, speed_options: as GPT's (models/gpt.py).
+    tp_group, layers, pre_process, post_process, speed_options, cp_group: as GPT's (models/gpt.py).
     """
 
     def __init__(self, config: BertConfig, tp_group=None, layers: range | None = None, pre_process: bool = True,
-                 post_process: bool = True, speed_options: bool = False):
+                 post_process: bool = True, speed_options: bool = False, cp_group=None):
         super().__init__()
         check_tp_group(config, tp_group)
         self.config, self.tp_group = config, tp_group
+        self.context = ContextParallel.of(config, cp_group)
         self.layers = layers if layers is not None else range(config.num_layers)
         self.pre_process, self.post_process = pre_process, post_process
         h, eps = config.hidden_size, config.layernorm_epsilon
@@ -179,7 +190,7 @@ class Bert(StageContract, nn.Module):
         for position, i in enumerate(self.layers):
             speed = SpeedOptions.of(config, position) if speed_options else PLAIN
             with seeded(base_seed + 1 + i):
-                blocks.append(Layer(config, tp_group, i, speed))
+                blocks.append(Layer(config, tp_group, i, speed, self.context))
         self.blocks = nn.ModuleList(blocks)
         if post_process:
             with seeded(base_seed + 1 + config.num_layers):
@@ -214,11 +225,17 @@ class Bert(StageContract, nn.Module):
             nn.init.zeros_(linear.bias)
 
     def embed(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
-        """Word + position + token-type embeddings, LayerNorm, dropout."""
+        """Word + position + token-type embeddings, LayerNorm, dropout (this rank's tokens, at
+        their global positions, under context parallelism)."""
         seq = input_ids.shape[1]
         if seq > self.config.seq_length:
             raise ValueError(f"sequence of {seq} tokens is longer than seq_length {self.config.seq_length}")
-        x = self.wte(input_ids) + self.wpe(torch.arange(seq, device=input_ids.device)) + self.tte(token_type_ids)
+        if self.context is not None:
+            positions = self.context.positions(seq, input_ids.device)
+            input_ids, token_type_ids = self.context.split(input_ids), self.context.split(token_type_ids)
+        else:
+            positions = torch.arange(seq, device=input_ids.device)
+        x = self.wte(input_ids) + self.wpe(positions) + self.tte(token_type_ids)
         x = self.ln_emb(x)
         if self.config.sequence_parallel:
             x = tp.scatter_to_sequence_parallel_region(x, self.tp_group)
@@ -237,13 +254,18 @@ class Bert(StageContract, nn.Module):
         return x
 
     def _cls_token(self, x: torch.Tensor) -> torch.Tensor:
-        """[CLS]'s hidden state on every TP rank. Under sequence parallelism it lives on TP rank 0:
-        the other ranks add zeros, and the backward hands the pooler's gradient to rank 0 only."""
+        """[CLS]'s hidden state on every TP and CP rank. Under context parallelism it lives on CP
+        rank 0 (chunk 0 comes first) and is broadcast over the group, whose backward sums the CP
+        ranks' gradients (each computes its own share of the loss). Under sequence parallelism it
+        lives on TP rank 0: the other ranks add zeros, and the backward hands the pooler's
+        gradient to rank 0 only (TP ranks compute the same loss)."""
+        first = x[:, 0]
+        if self.context is not None:
+            first = broadcast_from_first(first, self.context.group)
         if not self.config.sequence_parallel:
-            return x[:, 0]
+            return first
         rank = dist.get_rank(self.tp_group) if self.tp_group is not None else 0
-        first = x[:, 0] if rank == 0 else torch.zeros_like(x[:, 0])
-        return tp.reduce_from_tensor_parallel_region(first, self.tp_group)
+        return tp.reduce_from_tensor_parallel_region(first if rank == 0 else torch.zeros_like(first), self.tp_group)
 
     def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(this TP rank's slice of the padded vocabulary's MLM logits, the 2-way sentence logits)."""
@@ -261,11 +283,15 @@ class Bert(StageContract, nn.Module):
 
     def losses(self, input_ids=None, token_type_ids=None, padding_mask=None, labels=None, loss_mask=None,
                sentence_order=None, hidden_states=None) -> dict[str, torch.Tensor]:
-        """{'mlm': masked-LM loss, 'sop': sentence loss, 'sop_correct': right answers} (last stage)."""
+        """{'mlm': masked-LM loss, 'sop': sentence loss, 'sop_correct': right answers} (last stage;
+        under context parallelism 'mlm' is this rank's share: the CP ranks' mean is the loss)."""
         logits, sentence = self.heads(self.encode(padding_mask, input_ids, token_type_ids, hidden_states))
+        masked_tokens = loss_mask.float().sum().clamp(min=1.0)
+        if self.context is not None:
+            masked_tokens = self.context.loss_tokens(loss_mask)
+            labels, loss_mask = self.context.split(labels), self.context.split(loss_mask)
         per_token = tp.vocab_parallel_cross_entropy(logits, labels, self.tp_group, vocab_size=self.config.vocab_size)
-        mask = loss_mask.float()
-        mlm = (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+        mlm = (per_token * loss_mask.float()).sum() / masked_tokens
         sop = F.cross_entropy(sentence.float(), sentence_order)
         return {"mlm": mlm, "sop": sop, "sop_correct": (sentence.argmax(-1) == sentence_order).sum()}
 

@@ -26,7 +26,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megazero.activation_checkpointing import checkpoint
-from megazero.context_parallel import load_balanced_positions, ring_attention, split_sequence, ulysses_attention
+from megazero.context_parallel import (
+    Visible,
+    load_balanced_positions,
+    ring_attention,
+    split_sequence,
+    ulysses_attention,
+)
 from megazero.meta_device import skeleton
 from megazero.moe.router import SCORE_ORDERS
 from megazero.tensor_parallel import invariant_dropout as keyed
@@ -338,30 +344,18 @@ class AttentionCore(nn.Module):
         each query sees the keys before it in its own document."""
         p = self.dropout if self.training else 0.0
         if self.context is not None:  # this rank's chunks of the sequence, attending over every rank's
-            if documents is not None:
-                raise ValueError("packed documents (--reset-attention-mask) with context parallelism: not supported "
-                                 "yet; train them at context_parallel_size 1")
-            return self.context.attention(q, k, v, self.causal, p, self.layer)
-        if documents is not None:
-            if p and keyed.layout_invariant():  # the math written out anyway: the mask costs nothing more
-                return keyed.softmax_attention(q, k, v, documents.mask(q.device), False,
-                                               keyed.attention_dropout_mask(q, k.shape[2], p, self.layer))
-            with get_rng_tracker().fork():
-                return documents.attention(q, k, v, p)
+            return self.context.attention(q, k, v, self.causal, p, self.layer, attend, documents)
         mask, is_causal = attend, False
-        if self.causal:
+        if self.causal and documents is None:
             if attend is not None:
                 raise ValueError("a causal AttentionCore makes its own mask: pass `attend` to one built causal=False")
             past = k.shape[2] - q.shape[2]  # keys cached from earlier steps (generation)
             if past and q.shape[2] > 1:  # query i sees the cache and the first i + 1 new keys
                 mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(diagonal=past)
             is_causal = past == 0
-        if p and keyed.layout_invariant():  # the engine's masks, one per (sample, global head)
-            return keyed.softmax_attention(q, k, v, mask, is_causal,
-                                           keyed.attention_dropout_mask(q, k.shape[2], p, self.layer))
-        with get_rng_tracker().fork():  # attention dropout differs between the TP ranks' heads
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, dropout_p=p,
-                                                  enable_gqa=q.shape[1] != k.shape[1])
+        dropout_mask = keyed.attention_dropout_mask(q, k.shape[2], p, self.layer) if p and keyed.layout_invariant() \
+            else None  # the engine's masks, one per (sample, global head)
+        return whole_attention(q, k, v, p, dropout_mask, mask, is_causal, documents)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -383,61 +377,100 @@ class ContextParallel:
                              f"{dist.get_world_size(cp_group)} ranks")
         return cls(cp_group, config.cp_comm_type)
 
-    def inputs(self, input_ids, labels, position_ids, document_ids, loss_mask) -> tuple:
-        """(input_ids, labels, position_ids) of this rank's tokens from a whole-sample batch (every
-        pipeline stage gets the batch: the ids give the sequence length)."""
-        if position_ids is not None or document_ids is not None or loss_mask is not None:
-            raise ValueError("packed documents (--reset-position-ids, --reset-attention-mask, --eod-mask-loss) with "
-                             "context parallelism: not supported yet; train them at context_parallel_size 1")
-        seq_length = input_ids.shape[1]
-        return self.split(input_ids), None if labels is None else self.split(labels), \
-            self.positions(seq_length, input_ids.device)
+    def inputs(self, input_ids, labels, position_ids, loss_mask) -> tuple:
+        """(input_ids, labels, position_ids, loss_mask, loss_tokens) of this rank's tokens from a
+        whole-sample batch (every pipeline stage gets the batch: the ids give the sequence length).
+        Positions are the global ones unless position_ids (packed documents') are given. The loss
+        is this rank's masked sum over loss_tokens, the whole sequence's masked tokens / CP: the
+        mean over the CP ranks (the gradients' and the logged loss's) is the whole sequence's loss
+        (None without a loss_mask: every rank has as many tokens)."""
+        if position_ids is None:
+            position_ids = self.positions(input_ids.shape[1], input_ids.device)
+        else:
+            position_ids = self.split(position_ids)
+        if loss_mask is None:
+            return self.split(input_ids), self.split_or_none(labels), position_ids, None, None
+        return self.split(input_ids), self.split_or_none(labels), position_ids, self.split(loss_mask), \
+            self.loss_tokens(loss_mask)
+
+    def loss_tokens(self, loss_mask: torch.Tensor) -> torch.Tensor:
+        """What this rank divides its masked loss sum by: the whole batch's masked tokens / CP
+        (at least 1 / CP: a batch without masked tokens has loss 0, as at CP 1)."""
+        return loss_mask.float().sum().clamp(min=1.0) / dist.get_world_size(self.group)
 
     def split(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's tokens of a whole-sequence [batch, seq, ...] tensor."""
         return split_sequence(x, dist.get_world_size(self.group), dist.get_rank(self.group), dim=1)
+
+    def split_or_none(self, x: torch.Tensor | None) -> torch.Tensor | None:
+        """split(x), None for None."""
+        return None if x is None else self.split(x)
 
     def positions(self, seq_length: int, device) -> torch.Tensor:
         """The global positions of this rank's tokens of a seq_length sequence."""
         return load_balanced_positions(seq_length, dist.get_world_size(self.group), dist.get_rank(self.group), device)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, dropout_p: float = 0.0,
-                  layer: int = 0) -> torch.Tensor:
+                  layer: int = 0, attend: torch.Tensor | None = None,
+                  documents: Documents | None = None) -> torch.Tensor:
         """Attention of this rank's queries over the whole sequence's keys and values, with dropout
         `dropout_p` on the probabilities: the layout-invariant mode's masks (the whole sequence's,
         keyed by global head), or for all-to-all torch's own draw (ring attention takes only the
-        layout-invariant masks: an error otherwise)."""
+        layout-invariant masks: an error otherwise). attend: [batch, 1, 1, seq] the whole
+        sequence's keys each query sees (BERT's padding); documents: the whole sequence's packed
+        documents (causal within each)."""
         cp_size, cp_rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         keyed_masks = bool(dropout_p) and keyed.layout_invariant()
         first_head = layout_invariant_keys().tp_rank * q.shape[1] if keyed_masks else 0
         seq = q.shape[2] * cp_size
+        if attend is not None and tuple(attend.shape[1:3]) != (1, 1):
+            raise ValueError(f"context parallelism takes a key mask [batch, 1, 1, seq] as `attend`, got "
+                             f"{tuple(attend.shape)}")
         if self.comm_type == "p2p":
             if dropout_p and not keyed_masks:
                 raise ValueError("ring attention (cp_comm_type p2p) with attention dropout needs the layout-invariant "
                                  "masks (engine config dropout_masks.layout_invariant); or use cp_comm_type a2a, or "
                                  "attention_dropout 0")
             mask = keyed.whole_attention_dropout_mask(q, seq, dropout_p, layer, first_head) if keyed_masks else None
-            return ring_attention(q, k, v, self.group, causal, mask)
+            visible = Visible(None if attend is None else attend[:, 0, 0],
+                              None if documents is None else documents.ids)
+            return ring_attention(q, k, v, self.group, causal, mask, visible)
 
-        def attend(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:  # this rank's head group
-            if keyed_masks:
-                mask = keyed.whole_attention_dropout_mask(a, seq, dropout_p, layer, first_head + cp_rank * a.shape[1])
-                return keyed.softmax_attention(a, b, c, None, causal, mask)
-            with get_rng_tracker().fork():
-                return F.scaled_dot_product_attention(a, b, c, is_causal=causal, dropout_p=dropout_p,
-                                                      enable_gqa=a.shape[1] != b.shape[1])
+        def attend_heads(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:  # this rank's head group
+            mask = (keyed.whole_attention_dropout_mask(a, seq, dropout_p, layer, first_head + cp_rank * a.shape[1])
+                    if keyed_masks else None)
+            return whole_attention(a, b, c, dropout_p, mask, attend, causal, documents)
 
-        return ulysses_attention(q, k, v, self.group, attend)
+        return ulysses_attention(q, k, v, self.group, attend_heads)
+
+
+def whole_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, dropout_mask: torch.Tensor | None,
+                    attend: torch.Tensor | None, is_causal: bool, documents: Documents | None) -> torch.Tensor:
+    """Attention of q over all of k and v: within each of `documents` where given, else with the
+    bool mask `attend` and/or the causal mask; dropout p on the probabilities by `dropout_mask`
+    (the layout-invariant mode's: the math written out) or by torch's draw (the fused kernel)."""
+    if documents is not None:
+        if dropout_mask is not None:  # the math written out anyway: the mask costs nothing more
+            return keyed.softmax_attention(q, k, v, documents.mask(q.device), False, dropout_mask)
+        with get_rng_tracker().fork():
+            return documents.attention(q, k, v, p)
+    if dropout_mask is not None:
+        return keyed.softmax_attention(q, k, v, attend, is_causal, dropout_mask)
+    with get_rng_tracker().fork():  # attention dropout differs between the TP ranks' heads
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attend, is_causal=is_causal, dropout_p=p,
+                                              enable_gqa=q.shape[1] != k.shape[1])
 
 
 @dataclasses.dataclass(frozen=True)
 class Documents:
     """The documents packed in each sample of a batch (Megatron's --reset-attention-mask):
     `spans[b]` lists sample b's documents as [start, end) positions. Attention runs per document,
-    each one torch's causal kernel on its own slice, so no [seq, seq] mask is built."""
+    each one torch's causal kernel on its own slice, so no [seq, seq] mask is built. `ids` is
+    the document_ids they were read from (what ring attention builds its block masks from)."""
 
     spans: tuple[tuple[tuple[int, int], ...], ...]
     seq_length: int
+    ids: torch.Tensor = dataclasses.field(compare=False, repr=False)
 
     @classmethod
     def of(cls, document_ids: torch.Tensor) -> Documents:
@@ -447,7 +480,7 @@ class Documents:
             _, counts = torch.unique_consecutive(row, return_counts=True)
             ends = counts.cumsum(0).tolist()
             spans.append(tuple(zip([0] + ends[:-1], ends)))
-        return cls(tuple(spans), document_ids.shape[1])
+        return cls(tuple(spans), document_ids.shape[1], document_ids)
 
     def mask(self, device: torch.device) -> torch.Tensor:
         """[batch, 1, seq, seq] bool, True where a query sees a key: causal within each document
@@ -470,10 +503,12 @@ class Documents:
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, tp_group,
-                   loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+                   loss_mask: torch.Tensor | None = None, loss_tokens: torch.Tensor | None = None) -> torch.Tensor:
     """Mean cross-entropy of this TP rank's vocabulary slice of the logits (the whole vocabulary
     without tensor parallelism; padding columns left out), over the tokens `loss_mask` keeps
-    (Megatron's --eod-mask-loss: sum(loss x mask) / sum(mask); None: every token)."""
+    (Megatron's --eod-mask-loss: sum(loss x mask) / sum(mask); None: every token). loss_tokens:
+    what the masked sum is divided by instead of sum(mask) (context parallelism's share,
+    ContextParallel.loss_tokens)."""
     reduction = "mean" if loss_mask is None else "none"
     if tp_group is None or dist.get_world_size(tp_group) == 1:
         losses = F.cross_entropy(logits[..., :vocab_size].float().reshape(-1, vocab_size), labels.reshape(-1),
@@ -484,4 +519,4 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, 
     if loss_mask is None:
         return losses
     mask = loss_mask.reshape(-1).float()
-    return (losses * mask).sum() / mask.sum().clamp(min=1.0)
+    return (losses * mask).sum() / (mask.sum().clamp(min=1.0) if loss_tokens is None else loss_tokens)

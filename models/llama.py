@@ -304,9 +304,11 @@ class Llama(StageContract, CausalLMGeneration, nn.Module):
         return dropout(x, self.config.hidden_dropout_rate, self.training, 0, keyed.EMBEDDING,
                        self.config.sequence_parallel)
 
-    def head(self, x: torch.Tensor, labels: torch.Tensor | None, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Final RMSNorm and output layer: mean loss given labels (over the tokens loss_mask keeps),
-        else the logits of the vocab_size tokens (the padding columns are left out of both)."""
+    def head(self, x: torch.Tensor, labels: torch.Tensor | None, loss_mask: torch.Tensor | None = None,
+             loss_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Final RMSNorm and output layer: mean loss given labels (over the tokens loss_mask keeps;
+        loss_tokens: causal_lm_loss's), else the logits of the vocab_size tokens (the padding columns
+        are left out of both)."""
         x = self.norm_f(x)
         if not self.tied:
             logits = self.lm_head(x)  # this TP rank's slice of the (padded) vocabulary
@@ -319,7 +321,7 @@ class Llama(StageContract, CausalLMGeneration, nn.Module):
         vocab = self.config.vocab_size
         if labels is None:
             return tp.gather_from_tensor_parallel_region(logits, self.tp_group)[..., :vocab]
-        return causal_lm_loss(logits, labels, vocab, self.tp_group, loss_mask)
+        return causal_lm_loss(logits, labels, vocab, self.tp_group, loss_mask, loss_tokens)
 
     def forward(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 hidden_states: torch.Tensor | None = None, kv_cache: list[dict] | None = None,
@@ -339,9 +341,10 @@ class Llama(StageContract, CausalLMGeneration, nn.Module):
             for block, cache in zip(self.blocks, kv_cache):
                 x = block(x, cache)
             return self.head(x, labels) if self.post_process else x
+        loss_tokens = None
         if self.context is not None:  # this rank's chunks of the sample, at their global positions
-            input_ids, labels, position_ids = self.context.inputs(input_ids, labels, position_ids, document_ids,
-                                                                  loss_mask)
+            input_ids, labels, position_ids, loss_mask, loss_tokens = self.context.inputs(input_ids, labels,
+                                                                                          position_ids, loss_mask)
         x = self.embed(input_ids) if self.pre_process else hidden_states
         documents = Documents.of(document_ids) if document_ids is not None else None
         for layer, block in zip(self.layers, self.blocks):
@@ -349,7 +352,7 @@ class Llama(StageContract, CausalLMGeneration, nn.Module):
             x = block(x, position_ids=position_ids, documents=documents)
         if not self.post_process:
             return x
-        out = self.head(x, labels, loss_mask)
+        out = self.head(x, labels, loss_mask, loss_tokens)
         if labels is not None and self.training and self.config.num_experts is not None:
             # the value of the MoE layers' load-balancing and z-losses: their gradient comes through
             # the layers' outputs (megazero/moe/aux_loss.py), so that a stage without the loss trains its own too

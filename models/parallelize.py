@@ -221,8 +221,8 @@ def _check_grid(config: ModelConfig, grid: ParallelGrid) -> None:
                          f"to the grid's")
     cp = getattr(config, "context_parallel_size", None)
     if (cp or 1) != grid.context_parallel_size:
-        why = "set the config's to the grid's" if cp is not None else "this model has no context parallelism (GPT " \
-                                                                      "and Llama do)"
+        why = "set the config's to the grid's" if cp is not None else "this model has no context parallelism (GPT, " \
+                                                                      "Llama and BERT have)"
         raise ValueError(f"{type(config).__name__}.context_parallel_size is {cp} but the grid's context-parallel "
                          f"size is {grid.context_parallel_size}: {why}")
     if grid.expert_model_parallel_size > 1 and getattr(config, "num_experts", None) is None:

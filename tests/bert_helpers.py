@@ -43,8 +43,9 @@ def train_bert(config: dict, prefix: str, steps: int, layout: tuple[int, int] | 
     """Seeded tiny BERT trained `steps` optimizer steps; per-step global losses and final parameters
     (saved as a checkpoint in save_dir when given)."""
     megazero.set_seed(0)
-    grid = parallel_state.initialize_model_parallel(*layout) if layout else None
     overrides = {**(model_overrides or {}), "tensor_model_parallel_size": layout[0] if layout else 1}
+    grid = parallel_state.initialize_model_parallel(
+        *layout, context_parallel_size=overrides.get("context_parallel_size", 1)) if layout else None
     model = parallelize(BertConfig(**{**TINY_BERT, **overrides}), grid)
     engine, _, loader, _ = megazero.initialize(model=model, training_data=bert_dataset(prefix), config=config,
                                                mpu=parallel_state if grid else None)

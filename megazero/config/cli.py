@@ -93,7 +93,7 @@ def model_config_of(run: RunConfig, config_class: type, vocab_size: int):
         context = {"context_parallel_size": parallel.context_parallel_size, "cp_comm_type": parallel.cp_comm_type}
     elif parallel.context_parallel_size > 1:
         raise SystemExit(f"[megazero] --context-parallel-size {parallel.context_parallel_size}: the "
-                         f"{config_class.__name__} has no context parallelism (GPT and Llama do)")
+                         f"{config_class.__name__} has no context parallelism (GPT, Llama and BERT have)")
     config = config_class(**dataclasses.asdict(run.model), vocab_size=vocab_size,
                           tensor_model_parallel_size=parallel.tensor_model_parallel_size,
                           sequence_parallel=parallel.sequence_parallel, **context)

@@ -50,7 +50,7 @@ class ParallelSection(RunSection):
     expert_model_parallel_size: int = Field(1, ge=1, description="ranks the experts are split over; divides DP")
     sequence_parallel: bool = Field(False, description="split LayerNorm/dropout activations along the sequence "
                                                        "across tensor-parallel ranks")
-    context_parallel_size: int = Field(1, ge=1, description="ranks each sample's sequence is split over (GPT, Llama)")
+    context_parallel_size: int = Field(1, ge=1, description="ranks each sample's sequence is split over")
     cp_comm_type: Literal["p2p", "a2a"] = Field("p2p", description="context parallelism's attention: p2p (ring "
                                                                    "attention) or a2a (all-to-all, Ulysses)")
 

@@ -6,8 +6,10 @@
     ring.py         ring attention (Megatron-Core's p2p): KV blocks round the ring, log-sum-exp merge
 """
 
-from megazero.context_parallel.ring import ring_attention
+from megazero.context_parallel.ring import Visible, ring_attention
 from megazero.context_parallel.split import gather_sequence, load_balanced_positions, split_sequence
 from megazero.context_parallel.ulysses import ulysses_attention
 
-__all__ = ["gather_sequence", "load_balanced_positions", "ring_attention", "split_sequence", "ulysses_attention"]
+__all__ = [
+    "Visible", "gather_sequence", "load_balanced_positions", "ring_attention", "split_sequence", "ulysses_attention",
+]

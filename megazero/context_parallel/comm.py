@@ -63,3 +63,28 @@ def _shift(x: torch.Tensor, group, step: int) -> torch.Tensor:
 def ring_shift(x: torch.Tensor, group) -> torch.Tensor:
     """The previous ring rank's x (autograd: the gradient goes back to it)."""
     return _RingShift.apply(x, group)
+
+
+
+class _BroadcastFromFirst(torch.autograd.Function):
+    """Every rank gets the group's first rank's x; backward sums the ranks' gradients on the first
+    rank (the others' x gets zeros)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        out = x.clone().contiguous()
+        dist.broadcast(out, dist.get_global_rank(group, 0), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return (grad if dist.get_rank(ctx.group) == 0 else torch.zeros_like(grad)), None
+
+
+def broadcast_from_first(x: torch.Tensor, group) -> torch.Tensor:
+    """The group's first rank's x on every rank (autograd: its x gets the sum of every rank's
+    gradient, as each rank uses it in its own share of the loss)."""
+    return _BroadcastFromFirst.apply(x, group)

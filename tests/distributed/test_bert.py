@@ -85,11 +85,32 @@ LAYOUTS = [("tp2", 2, (2, 1), 0, 8, True), ("pp2", 2, (1, 2), 1, 2, True), ("dp2
            ("tp2_dp2_zero1", 4, (2, 1), 1, 4, True)]
 
 
+# context parallelism: (name, world size, (TP, PP), ZeRO stage, micro-batch, model overrides); the
+# ring (p2p) takes attention dropout on layout-invariant masks only, and all-to-all runs them too
+# (its default masks are drawn per head group, which no single process draws)
+CP_LAYOUTS = [("cp2_p2p", 2, (1, 1), 0, 8, {"context_parallel_size": 2}),
+              ("cp2_a2a_zero3_selective", 2, (1, 1), 3, 8, {"context_parallel_size": 2, "cp_comm_type": "a2a",
+                                                             "recompute_granularity": "selective"}),
+              ("cp2_tp2_sp", 4, (2, 1), 1, 8, {"context_parallel_size": 2, "sequence_parallel": True}),
+              ("cp2_pp2", 4, (1, 2), 0, 8, {"context_parallel_size": 2})]
+
+
 @pytest.mark.parametrize("name,world,layout,stage,micro,invariant", LAYOUTS, ids=[x[0] for x in LAYOUTS])
 def test_bert_layout_matches_single_process(pools, reference, sentence_prefix, name, world, layout, stage, micro,
                                             invariant):
-    reference = reference(micro, invariant)
-    for result in pools(world).run(train_bert, _config(stage, micro, invariant), sentence_prefix, STEPS, layout):
+    results = pools(world).run(train_bert, _config(stage, micro, invariant), sentence_prefix, STEPS, layout)
+    _assert_matches(reference(micro, invariant), results)
+
+
+@pytest.mark.parametrize("name,world,layout,stage,micro,overrides", CP_LAYOUTS, ids=[x[0] for x in CP_LAYOUTS])
+def test_bert_context_parallel_matches_single_process(pools, reference, sentence_prefix, name, world, layout, stage,
+                                                      micro, overrides):
+    results = pools(world).run(train_bert, _config(stage, micro, True), sentence_prefix, STEPS, layout, overrides)
+    _assert_matches(reference(micro, True), results)
+
+
+def _assert_matches(reference: dict, results: list[dict]) -> None:
+    for result in results:
         for step, (a, b) in enumerate(zip(reference["losses"], result["losses"])):
             assert abs(a - b) <= 1e-5 * abs(a), f"step {step}: {reference['losses']} vs {result['losses']}"
         assert result["params"].keys() == reference["params"].keys()

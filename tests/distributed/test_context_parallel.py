@@ -4,14 +4,25 @@ process does over 10 steps (losses 1e-5, weights 2e-5): the model splits each sa
 load-balanced chunks at their global positions, the attention spans the group, the gradients are
 averaged over DP x CP and the batch is split over DP alone. The layouts run with dropout 0.1 on
 layout-invariant masks (every layout draws the single process's masks: the whole sequence's,
-each rank keeping its chunks' part), and a few also with dropout 0 (torch's attention kernels)."""
+each rank keeping its chunks' part), and a few also with dropout 0 (torch's attention kernels).
+With the other options (bf16 on the ring's fused kernels, fp16 with loss scaling on all-to-all, the
+interleaved pipeline, optimizer offload) CP=2 trains as the single process with the same option
+(losses 1e-2 relative in bf16/fp16, as tests/distributed/test_model_parallel.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.distributed.test_model_parallel import INVARIANT, STEPS, _config, assert_matches_reference
-from tests.training_helpers import FAMILY, NO_DROPOUT, build_engine, train
+from tests.distributed.test_model_parallel import (
+    INTERLEAVED,
+    INVARIANT,
+    LOW_PRECISION_RTOL,
+    STEPS,
+    _assert_losses,
+    _config,
+    assert_matches_reference,
+)
+from tests.training_helpers import FAMILY, LAYERS_PER_VIRTUAL_STAGE, NO_DROPOUT, build_engine, train
 
 # (name, world, (TP, PP), model overrides, zero stage, micro-batch size); dropout 0.1 on layout-invariant
 # masks unless the overrides say dropout 0
@@ -53,6 +64,40 @@ def test_context_parallel_trains_as_the_single_process(pools, references, token_
     results = pools(world).run(train, _config(stage, micro, **extra), token_dataset_prefix_module, STEPS, 0, None,
                                None, None, {"dropout": dropout, **overrides}, layout)
     assert_matches_reference(reference, results)
+
+BF16 = {"bf16": {"enabled": True}}
+FP16 = {"fp16": {"enabled": True, "initial_scale_power": 12}}
+OFFLOAD = {"offload_optimizer": {"device": "cpu"}}
+# (name, world, (TP, PP), model overrides, engine config extras, zero extras, zero stage, micro-batch size)
+OPTION_LAYOUTS = [
+    ("gpt_cp2_p2p_bf16", 2, (1, 1), {"context_parallel_size": 2}, BF16, {}, 1, 8),
+    ("llama_cp2_a2a_fp16", 2, (1, 1), {FAMILY: "llama", "context_parallel_size": 2, "cp_comm_type": "a2a"}, FP16, {},
+     0, 8),
+    ("gpt_cp2_pp2_interleaved", 4, (1, 2), {**INTERLEAVED, "context_parallel_size": 2}, {}, {}, 0, 2),
+    ("gpt_cp2_zero2_offload", 2, (1, 1), {"context_parallel_size": 2}, {}, OFFLOAD, 2, 8),
+]
+
+
+@pytest.mark.parametrize("name,world,layout,overrides,extra,zero,stage,micro", OPTION_LAYOUTS,
+                         ids=[x[0] for x in OPTION_LAYOUTS])
+def test_context_parallel_with_each_option_trains_as_the_single_process(pools, token_dataset_prefix_module, name,
+                                                                        world, layout, overrides, extra, zero,
+                                                                        stage, micro):
+    single = {k: v for k, v in overrides.items() if k not in ("context_parallel_size", "cp_comm_type",
+                                                             LAYERS_PER_VIRTUAL_STAGE)}
+    reference = pools(1).run(train, _config(0, micro, **extra, **INVARIANT), token_dataset_prefix_module, STEPS, 0,
+                             None, None, None, single)[0]
+    config = _config(stage, micro, **extra, **INVARIANT)
+    config["zero_optimization"].update(zero)
+    results = pools(world).run(train, config, token_dataset_prefix_module, STEPS, 0, None, None, None, overrides,
+                               layout)
+    if extra:
+        for result in results:
+            _assert_losses(reference["losses"], result["losses"], LOW_PRECISION_RTOL)
+            assert result["skipped"] == reference["skipped"]
+    else:
+        assert_matches_reference(reference, results)
+
 
 def _what_each_rank_computes(prefix: str) -> tuple[list[int], list[int]]:
     """(the first block's input shape, the global positions) on this rank of a CP=2 GPT."""

@@ -1,9 +1,11 @@
 """The context-parallel attention paths on gloo ranks against torch's attention over the whole
 sequence: ring attention (causal and not) and all-to-all (Ulysses) attention, at CP=2 and CP=4,
-with grouped-query heads; the output of each rank's tokens and the gradients of its q, k and v
-equal the whole-sequence reference's for those tokens. Two broken variants (the log-sum-exp merge
-replaced by a plain average, and the contiguous split instead of the load-balanced one) are run
-as controls: the comparison catches both."""
+with grouped-query heads, and ring attention with what queries see narrowed: BERT's key padding
+(whole key chunks padded, so skipped blocks and rows that see nothing of a block) and packed
+documents (boundaries inside and across chunks); the output of each rank's tokens and the
+gradients of its q, k and v equal the whole-sequence reference's for those tokens. Two broken
+variants (the log-sum-exp merge replaced by a plain average, and the contiguous split instead of
+the load-balanced one) are run as controls: the comparison catches both."""
 
 from __future__ import annotations
 
@@ -52,6 +54,34 @@ def _errors(path: str, heads: int, kv_heads: int, seq: int, causal: bool) -> flo
     return max(float((a - split_sequence(b, cp, rank, dim=2)).abs().max()) for a, b in zip(got, expected))
 
 
+SEQ = 16
+# sample 0: the last 6 keys are padding (chunk 7 whole at CP 4); sample 1: the last 9
+KEY_VALID = torch.arange(SEQ)[None, :] < torch.tensor([[SEQ - 6], [SEQ - 9]])
+# sample 0: documents [0, 3) [3, 9) [9, 16); sample 1: [0, 13) [13, 16)
+DOCUMENT_IDS = torch.tensor([[0] * 3 + [1] * 6 + [2] * 7, [0] * 13 + [1] * 3])
+
+
+def _masked_errors(visibility: str) -> float:
+    """_errors' comparison for ring attention over 4 heads (2 key/value heads) where queries see
+    only the real keys (visibility "padding", not causal) or their own document ("documents")."""
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    q, k, v, weight = _inputs(4, 2, SEQ)
+    if visibility == "padding":
+        visible, causal, mask = ring.Visible(key_valid=KEY_VALID), False, KEY_VALID[:, None, None, :]
+    else:
+        same = DOCUMENT_IDS[:, None, :, None] == DOCUMENT_IDS[:, None, None, :]
+        visible, causal, mask = ring.Visible(document_ids=DOCUMENT_IDS), True, same & torch.ones(SEQ, SEQ).bool().tril()
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = F.scaled_dot_product_attention(*leaves, attn_mask=mask, enable_gqa=True)
+    (expected * weight).sum().backward()
+    expected = [expected.detach()] + [t.grad for t in leaves]
+    mine = [split_sequence(t, cp, rank, dim=2).requires_grad_() for t in (q, k, v)]
+    out = ring.ring_attention(*mine, dist.group.WORLD, causal=causal, visible=visible)
+    (out * split_sequence(weight, cp, rank, dim=2)).sum().backward()
+    got = [out.detach()] + [t.grad for t in mine]
+    return max(float((a - split_sequence(b, cp, rank, dim=2)).abs().max()) for a, b in zip(got, expected))
+
+
 def _broken(variant: str) -> float:
     """_errors of causal ring attention with the merge or the split broken."""
     if variant == "merge":  # the blocks averaged instead of weighted by their log-sum-exp
@@ -79,6 +109,13 @@ def _broken(variant: str) -> float:
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (4, 1)])
 def test_context_parallel_attention_equals_the_whole_sequence(pools, world, path, causal, heads, kv_heads):
     for error in pools(world).run(_errors, path, heads, kv_heads, 16, causal):
+        assert error < TOLERANCE
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("visibility", ["padding", "documents"])
+def test_ring_attention_sees_what_the_mask_leaves(pools, world, visibility):
+    for error in pools(world).run(_masked_errors, visibility):
         assert error < TOLERANCE
 
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
 from tests.conftest import REPO
+from tests.launch_helpers import finish, start, torchrun
 from tests.recipes.test_pretrain_gpt import _scalars
 
 pytestmark = pytest.mark.slow
@@ -23,20 +23,16 @@ SHAPE = ("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
          "--sample-tokens", "0", "--dropout", "0.1")
 
 
-def _llama(tmp_path, name: str, *flags: str) -> str:
+def _llama(tmp_path, name: str, *flags: str) -> subprocess.Popen:
+    """The Llama recipe on 2 ranks, started (TensorBoard events in tmp_path/tb_<name>)."""
     engine = tmp_path / "engine.json"
     if not engine.exists():  # the recipe's engine JSON, with every layout drawing the same dropout masks
         with open(os.path.join(REPO, "configs", "ds_gpt2_cpu.json")) as f:
             config = json.load(f)
         engine.write_text(json.dumps({**config, "dropout_masks": {"layout_invariant": True}}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(REPO, "scripts", "pretrain_llama.py"), "--data-path",
-           os.path.join(REPO, "data", "gpt2", "shakespeare"), *SHAPE, "--tensorboard-dir", str(tmp_path / f"tb_{name}"),
-           "--deepspeed_config", str(engine), *flags]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                          timeout=600, cwd=str(tmp_path))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
+    return start(torchrun("pretrain_llama.py", "--data-path", os.path.join(REPO, "data", "gpt2", "shakespeare"),
+                          *SHAPE, "--tensorboard-dir", str(tmp_path / f"tb_{name}"), "--deepspeed_config", str(engine),
+                          *flags), tmp_path)
 
 
 def _losses(tmp_path, name: str) -> list[float]:
@@ -46,16 +42,19 @@ def _losses(tmp_path, name: str) -> list[float]:
 def test_context_parallel_recipe_logs_the_cp1_losses_and_its_checkpoint_continues_at_cp1(corpus_prefix, tmp_path):
     runs = {"cp1": ("--context-parallel-size", "1"), "p2p": ("--context-parallel-size", "2"),
             "a2a": ("--context-parallel-size", "2", "--cp-comm-type", "a2a")}
-    for name, flags in runs.items():
-        out = _llama(tmp_path, name, *flags, "--train-iters", "4", "--save", str(tmp_path / name), "--save-interval",
-                     "4")
-        if name != "cp1":
-            assert f"CP 2 ({name}) x DP 1" in out, out
+    # side by side: the launches' start-up leaves the cores idle part of the time
+    outputs = dict(zip(runs, finish(*(_llama(tmp_path, name, *flags, "--train-iters", "4", "--save",
+                                             str(tmp_path / name), "--save-interval", "4")
+                                      for name, flags in runs.items()))))
+    for name in ("p2p", "a2a"):
+        assert f"CP 2 ({name}) x DP 1" in outputs[name], outputs[name]
     reference = _losses(tmp_path, "cp1")
     assert len(reference) == 4
     for name in ("p2p", "a2a"):
         assert _losses(tmp_path, name) == pytest.approx(reference, rel=1e-5)
-    for name in ("cp1", "p2p"):  # both checkpoints continue at CP 1: the same next losses
-        out = _llama(tmp_path, f"resume_{name}", "--train-iters", "6", "--load", str(tmp_path / name))
+    # both checkpoints continue at CP 1: the same next losses
+    resumed = finish(*(_llama(tmp_path, f"resume_{name}", "--train-iters", "6", "--load", str(tmp_path / name))
+                       for name in ("cp1", "p2p")))
+    for out in resumed:
         assert "resumed from" in out, out
     assert _losses(tmp_path, "resume_p2p") == pytest.approx(_losses(tmp_path, "resume_cp1"), rel=1e-5)

@@ -12,8 +12,9 @@ import math
 import pytest
 
 from tests.conftest import REPO
+from tests.launch_helpers import finish, start, torchrun
 from tests.recipes.test_pretrain_gpt import _scalars
-from tests.recipes.test_run_config_recipe import SHAPE, _recipe
+from tests.recipes.test_run_config_recipe import SHAPE
 
 pytestmark = pytest.mark.slow
 
@@ -41,18 +42,21 @@ def _engine_config(tmp_path, optimizer: str, plain: bool) -> str:
     return str(path)
 
 
-def _losses(tmp_path, corpus_prefix, optimizer: str, plain: bool) -> list[float]:
-    name = f"{optimizer}{'_plain' if plain else ''}"
-    _recipe(tmp_path, "--data-path", corpus_prefix, *SHAPE, "--train-iters", str(ITERS), "--deepspeed_config",
-            _engine_config(tmp_path, optimizer, plain), "--tensorboard-dir", str(tmp_path / name), nproc=2)
-    return [value for _, value in _scalars(str(tmp_path / name))["lm loss"]]
+def _both_losses(tmp_path, corpus_prefix, optimizer: str) -> tuple[list[float], list[float]]:
+    """The `lm loss` of the 1-bit run and of its plain counterpart, run side by side."""
+    names = [optimizer, f"{optimizer}_plain"]
+    finish(*(start(torchrun("pretrain_gpt.py", "--data-path", corpus_prefix, *SHAPE, "--train-iters", str(ITERS),
+                            "--deepspeed_config", _engine_config(tmp_path, optimizer, plain), "--tensorboard-dir",
+                            str(tmp_path / name)), tmp_path)
+             for name, plain in zip(names, (False, True))))
+    onebit, plain = ([value for _, value in _scalars(str(tmp_path / name))["lm loss"]] for name in names)
+    return onebit, plain
 
 
 @pytest.mark.parametrize("optimizer", ["OneBitAdam", "ZeroOneAdam", "OneBitLamb"])
 def test_the_recipe_trains_with_the_one_bit_configs_and_warms_up_as_the_plain_optimizer(corpus_prefix, tmp_path,
                                                                                        optimizer):
-    onebit = _losses(tmp_path, corpus_prefix, optimizer, plain=False)
-    plain = _losses(tmp_path, corpus_prefix, optimizer, plain=True)
+    onebit, plain = _both_losses(tmp_path, corpus_prefix, optimizer)
     assert len(onebit) == ITERS and all(math.isfinite(v) for v in onebit)
     assert onebit[:3] == plain[:3]
     assert onebit[3:] != plain[3:]  # the compressed stage is not the plain optimizer

@@ -1,16 +1,16 @@
-"""Each model keys its dropout masks per layer: the GPT, Llama and BERT recipes at PP=2 (plain and
-interleaved) log the losses of the same recipe in one process, with dropout 0.1 (DP=1 in both, so
-every micro-batch holds the same samples; a layer's masks are the same whichever stage runs it)."""
+"""Each model keys its dropout masks per layer: the GPT, Llama and BERT recipes at PP=2 (and the
+Llama's interleaved) log the losses of the same recipe in one process, with dropout 0.1 (DP=1 in
+both, so every micro-batch holds the same samples; a layer's masks are the same whichever stage
+runs it). The interleaved schedule of every model is tests/distributed/test_model_parallel.py's and
+test_bert.py's."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.launch_helpers import finish, start, torchrun
 from tests.recipes.test_pretrain_bert import bert_prefix  # noqa: F401 (a fixture)
 from tests.recipes.test_pretrain_gpt import _scalars
 
@@ -23,20 +23,21 @@ SHAPE = ("--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4
 RECIPE_FLAGS = {"gpt": ("--sample-tokens", "0"), "llama": ("--num-query-groups", "2", "--ffn-hidden-size", "128",
                                                             "--sample-tokens", "0"),
                 "bert": ()}
-LAYOUTS = {"pp2": ("--pipeline-model-parallel-size", "2"),
-           "pp2_interleaved": ("--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1")}
+PP2 = ("--pipeline-model-parallel-size", "2")
+CASES = [("gpt", "pp2", PP2), ("llama", "pp2", PP2), ("bert", "pp2", PP2),
+         ("llama", "pp2_interleaved", (*PP2, "--num-layers-per-virtual-pipeline-stage", "1"))]
 
 
-def _losses(recipe: str, data_path: str, tmp_path, name: str, nproc: int, layout: tuple[str, ...]) -> list[float]:
-    """The recipe's `lm loss` of iterations 1-5 from its TensorBoard events."""
-    tb = tmp_path / f"tb_{name}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           os.path.join(REPO, "scripts", f"pretrain_{recipe}.py"), "--data-path", data_path, *SHAPE,
-           *RECIPE_FLAGS[recipe], "--save", str(tmp_path / f"ckpt_{name}"), "--tensorboard-dir", str(tb), *layout]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                          timeout=600, cwd=str(tmp_path))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    scalars = _scalars(str(tb))["lm loss"]
+def _start(recipe: str, data_path: str, tmp_path, name: str, nproc: int, layout: tuple[str, ...]) -> subprocess.Popen:
+    """The recipe under torchrun, started (TensorBoard events in tmp_path/tb_<name>)."""
+    return start(torchrun(f"pretrain_{recipe}.py", "--data-path", data_path, *SHAPE, *RECIPE_FLAGS[recipe], "--save",
+                          str(tmp_path / f"ckpt_{name}"), "--tensorboard-dir", str(tmp_path / f"tb_{name}"), *layout,
+                          nproc=nproc), tmp_path)
+
+
+def _losses(tmp_path, name: str) -> list[float]:
+    """The `lm loss` of iterations 1-5 of a finished _start run."""
+    scalars = _scalars(str(tmp_path / f"tb_{name}"))["lm loss"]
     assert [step for step, _ in scalars] == [1, 2, 3, 4, 5]
     return [loss for _, loss in scalars]
 
@@ -47,21 +48,22 @@ def one_process(tmp_path_factory):
     made: dict[str, tuple[list[float], list[float]]] = {}
 
     def get(recipe: str, data_path: str) -> tuple[list[float], list[float]]:
-        if recipe not in made:
+        if recipe not in made:  # one process each: the two run side by side on the two cores
             tmp = tmp_path_factory.mktemp(f"one_{recipe}")
-            made[recipe] = (_losses(recipe, data_path, tmp, "one", 1, ()),
-                            _losses(recipe, data_path, tmp, "no_dropout", 1, ("--dropout", "0")))
+            finish(_start(recipe, data_path, tmp, "one", 1, ()),
+                   _start(recipe, data_path, tmp, "no_dropout", 1, ("--dropout", "0")))
+            made[recipe] = (_losses(tmp, "one"), _losses(tmp, "no_dropout"))
         return made[recipe]
     return get
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("recipe", list(RECIPE_FLAGS))
-def test_pipeline_stages_draw_the_single_process_dropout(recipe, layout, corpus_prefix, one_process, request,
+@pytest.mark.parametrize("recipe,layout,flags", CASES, ids=[f"{r}-{n}" for r, n, _ in CASES])
+def test_pipeline_stages_draw_the_single_process_dropout(recipe, layout, flags, corpus_prefix, one_process, request,
                                                           tmp_path):
     data_path = request.getfixturevalue("bert_prefix") if recipe == "bert" else corpus_prefix
     one, no_dropout = one_process(recipe, data_path)
     # the control: the masks matter, so equal losses are not equal by accident
     assert max(abs(a - b) for a, b in zip(one, no_dropout)) > 1e-3
-    staged = _losses(recipe, data_path, tmp_path, layout, 2, LAYOUTS[layout])
+    finish(_start(recipe, data_path, tmp_path, layout, 2, flags))
+    staged = _losses(tmp_path, layout)
     assert staged == pytest.approx(one, abs=1e-4), f"{recipe} at {layout}: {staged} vs one process {one}"

@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
+from tests.launch_helpers import finish, start, torchrun
 from tests.recipes.test_pretrain_gpt import _scalars
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -34,25 +34,24 @@ def _warmup_lr_config(tmp_path) -> str:
     return str(path)
 
 
-def _run(corpus_prefix: str, tmp_path, name: str, iters: int, config: str, layout: tuple[str, ...]) -> None:
+def _start(corpus_prefix: str, tmp_path, name: str, iters: int, config: str,
+           layout: tuple[str, ...]) -> subprocess.Popen:
     ckpt, tb = tmp_path / f"ckpt_{name}", tmp_path / f"tb_{name}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(REPO, "scripts", "pretrain_gpt.py"), "--deepspeed_config", config,
-           "--data-path", corpus_prefix, "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2",
-           "--seq-length", "32", "--dropout", "0.1", "--train-iters", str(iters), "--log-interval", "1",
-           "--eval-interval", "100", "--eval-iters", "1", "--save-interval", "100", "--sample-tokens", "4",
-           "--save", str(ckpt), "--load", str(ckpt), "--tensorboard-dir", str(tb), *layout]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=str(tmp_path))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return start(torchrun("pretrain_gpt.py", "--deepspeed_config", config, "--data-path", corpus_prefix,
+                          "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length",
+                          "32", "--dropout", "0.1", "--train-iters", str(iters), "--log-interval", "1",
+                          "--eval-interval", "100", "--eval-iters", "1", "--save-interval", "100", "--sample-tokens",
+                          "4", "--save", str(ckpt), "--load", str(ckpt), "--tensorboard-dir", str(tb), *layout),
+                 tmp_path)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS), ids=list(LAYOUTS))
 def test_resume_with_dropout_continues_the_uninterrupted_losses(corpus_prefix, tmp_path, layout):
     config = _warmup_lr_config(tmp_path)
-    _run(corpus_prefix, tmp_path, "straight", 8, config, LAYOUTS[layout])
-    _run(corpus_prefix, tmp_path, "resumed", 4, config, LAYOUTS[layout])
-    _run(corpus_prefix, tmp_path, "resumed", 8, config, LAYOUTS[layout])
+    # the straight run and the first half side by side (launch start-up leaves the cores idle part of the time)
+    finish(_start(corpus_prefix, tmp_path, "straight", 8, config, LAYOUTS[layout]),
+           _start(corpus_prefix, tmp_path, "resumed", 4, config, LAYOUTS[layout]))
+    finish(_start(corpus_prefix, tmp_path, "resumed", 8, config, LAYOUTS[layout]))
     straight = _scalars(str(tmp_path / "tb_straight"))["lm loss"]
     resumed = _scalars(str(tmp_path / "tb_resumed"))["lm loss"]
     assert [step for step, _ in straight] == list(range(1, 9))

@@ -22,9 +22,10 @@ import json
 import os
 import re
 import subprocess
-import sys
 
 import pytest
+
+from tests.launch_helpers import finish, start, torchrun
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LOSS_RTOL = 1e-5  # fp32; the layouts differ only in the order of sums
@@ -34,30 +35,16 @@ pytestmark = pytest.mark.slow
 
 def _start(corpus_prefix: str, tmp_path, name: str, iters: int, extra: tuple[str, ...]) -> subprocess.Popen:
     """The recipe under torchrun on 2 ranks, started (TensorBoard events in tmp_path/name/tb)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(REPO, "scripts", "pretrain_gpt.py"), "--data-path", corpus_prefix,
-           "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-           "--global-batch-size", "16", "--micro-batch-size", "4", "--lr", "0.005", "--train-iters", str(iters),
-           "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1", "--save-interval", "4",
-           "--tensorboard-dir", str(tmp_path / name / "tb"), "--peak-flops", "1e11", "--sample-tokens", "4", *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            cwd=str(tmp_path))
-
-
-def _finish(proc: subprocess.Popen) -> str:
-    """Wait for a run of _start; it must succeed. Its output."""
-    try:
-        out, err = proc.communicate(timeout=600)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-    assert proc.returncode == 0, out[-3000:] + err[-5000:]
-    return out + err
+    return start(torchrun("pretrain_gpt.py", "--data-path", corpus_prefix, "--num-layers", "2", "--hidden-size", "64",
+                          "--num-attention-heads", "4", "--seq-length", "64", "--global-batch-size", "16",
+                          "--micro-batch-size", "4", "--lr", "0.005", "--train-iters", str(iters), "--log-interval",
+                          "1", "--eval-interval", "1000", "--eval-iters", "1", "--save-interval", "4",
+                          "--tensorboard-dir", str(tmp_path / name / "tb"), "--peak-flops", "1e11", "--sample-tokens",
+                          "4", *extra), tmp_path)
 
 
 def _recipe(corpus_prefix: str, tmp_path, name: str, iters: int, extra: tuple[str, ...]) -> str:
-    return _finish(_start(corpus_prefix, tmp_path, name, iters, extra))
+    return finish(_start(corpus_prefix, tmp_path, name, iters, extra))[0]
 
 
 def _losses(tmp_path, name: str) -> dict[int, float]:
@@ -92,13 +79,7 @@ def test_recipe_continues_at_other_layouts_where_the_vocabulary_pads_differently
     # the continuations only read the checkpoint: they run at once (one launch leaves the 2 cores
     # idle part of the time: start-up of torchrun's agent, rendezvous, collectives)
     runs = {name: _start(corpus_prefix, tmp_path, name, 8, ("--load", ckpt, *flags)) for name, flags in layouts}
-    try:
-        outputs = {name: _finish(proc) for name, proc in runs.items()}
-    finally:
-        for proc in runs.values():
-            if proc.poll() is None:  # a peer failed: not left running
-                proc.kill()
-                proc.communicate()
+    outputs = dict(zip(runs, finish(*runs.values())))
     for name, out in outputs.items():
         assert banners[name] in out and "resumed from" in out and "at iteration 4" in out, out[-3000:]
         # the run ends validated, also pipelined (the last stage computes the loss)
