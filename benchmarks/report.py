@@ -294,6 +294,17 @@ def render_generic(r: dict) -> str:
     return "(no table)"
 
 
+def render_context(r: dict) -> str:
+    """The per-length table, the longest sequence under the memory cap per mode, and the verdicts."""
+    parts = [generic_table(r["rows"])]
+    if r.get("longest"):
+        parts.append("Longest sequence that trains a step with each rank's address space capped (RLIMIT_AS):\n\n"
+                     + generic_table([{k: v for k, v in row.items() if k != "tries"} for row in r["longest"]]))
+    if r.get("verdicts"):
+        parts.append("\n".join(f"- {line}" for line in r["verdicts"]))
+    return "\n\n".join(parts)
+
+
 # ---- the page --------------------------------------------------------------------------------------
 @dataclass
 class Section:
@@ -367,7 +378,8 @@ SECTIONS = [
             "The CPU Llama at each sequence length, one sample per step: CP=1 (one process, both cores) against "
             "CP=2 (two gloo ranks, one core each) with ring (p2p) and all-to-all (a2a) attention, one after another "
             "in one run: activations kept for backward per rank, peak RSS, tokens/s and the ratios to CP=1 (the "
-            "sample's first loss is the same in every mode)."),
+            "sample's first loss is the same in every mode); then the longest sequence each mode trains under a "
+            "per-rank memory cap.", render_context),
     Section("largest_model", "The largest model per rank memory", "largest_model.py",
             "The largest GPT that trains a step at DP=2 with each rank's address space capped: torch DDP, megazero "
             "ZeRO-3 under zero.Init, and ZeRO-3 with parameters and optimizer on NVMe.", render_largest),

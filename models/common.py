@@ -53,7 +53,7 @@ class ModelConfig:
 
     def check_context_parallel(self) -> None:
         """Context parallelism's needs: 2 x CP chunks of the sequence (each split over TP under SP),
-        a known attention path, and attention without dropout."""
+        a known attention path, and no MoE layers."""
         cp = getattr(self, "context_parallel_size", 1)
         if cp == 1:
             return
@@ -65,6 +65,10 @@ class ModelConfig:
         if self.cp_comm_type not in ("p2p", "a2a"):
             raise ValueError(f"cp_comm_type must be 'p2p' (ring attention) or 'a2a' (all-to-all), got "
                              f"{self.cp_comm_type!r}")
+        if getattr(self, "num_experts", None) is not None:
+            # each rank would route and balance its own chunks: the auxiliary losses would not be the sequence's
+            raise ValueError(f"context_parallel_size {cp} with MoE layers (num_experts {self.num_experts}): not "
+                             f"supported yet; train MoE models at context_parallel_size 1")
 
     def check_positions(self) -> None:
         """Megatron's max_position_embeddings, where given, must cover seq_length."""

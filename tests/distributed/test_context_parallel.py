@@ -126,3 +126,10 @@ def _ring_with_default_dropout(prefix: str) -> str:
 def test_ring_attention_dropout_needs_the_layout_invariant_masks(pools, token_dataset_prefix_module):
     for message in pools(2).run(_ring_with_default_dropout, token_dataset_prefix_module):
         assert "ring attention (cp_comm_type p2p) with attention dropout needs the layout-invariant masks" in message
+
+
+def test_moe_layers_with_context_parallelism_are_refused():
+    from models.gpt import GPTConfig
+
+    with pytest.raises(ValueError, match=r"context_parallel_size 2 with MoE layers \(num_experts 4\): not supported"):
+        GPTConfig(seq_length=32, num_experts=4, context_parallel_size=2)
