@@ -18,8 +18,10 @@ order "tp-cp-dp-pp" places it: dp_rank = sample_shard * cp + cp_rank. The `cp` c
 of a data-parallel group read the same samples and split each sample's sequence; the data-parallel
 group (DP x CP) is the one gradients are averaged over and ZeRO partitions over, while the batch is
 split `sample_shards` = DP / CP ways (the loader, the batch size). E.g. TP=2, CP=2, DP=2 (8 ranks):
-CP groups [0,2] [1,3] [4,6] [5,7], data-parallel groups (with CP) [0,2,4,6] [1,3,5,7]. CP and EP
-are not combined.
+CP groups [0,2] [1,3] [4,6] [5,7], data-parallel groups (with CP) [0,2,4,6] [1,3,5,7]. With both,
+EP splits the data-parallel dimension (DP x CP) as above, so an EP group is a CP group, holds whole
+CP groups, or lies inside one (one size must divide the other): the experts see tokens of whole
+sequences or of parts of them alike.
 
 `initialize_model_parallel(tp, pp)` builds the grid once per process and makes this module the
 `mpu` that `megazero.initialize(..., mpu=parallel_state)` accepts (DeepSpeed's convention); the
@@ -107,9 +109,10 @@ def grid_groups(world: int, tensor_model_parallel_size: int = 1, pipeline_model_
     if cp < 1 or dp % cp:
         raise ValueError(f"data-parallel size {dp} (world size {world} / tensor_model_parallel_size {tp} / "
                          f"pipeline_model_parallel_size {pp}) is not divisible by context_parallel_size ({cp})")
-    if cp > 1 and ep > 1:
-        raise ValueError(f"context_parallel_size {cp} with expert_model_parallel_size {ep}: megazero does not "
-                         f"combine context and expert parallelism yet")
+    if cp > 1 and ep > 1 and ep % cp and cp % ep:
+        # both split the data-parallel dimension innermost: one's groups must hold whole groups of the other
+        raise ValueError(f"context_parallel_size {cp} and expert_model_parallel_size {ep}: one must divide the "
+                         f"other")
     if dp % ep:
         # EP splits the data-parallel dimension only: an EP group never spans TP ranks or stages
         raise ValueError(f"data-parallel size {dp} (world size {world} / tensor_model_parallel_size {tp} / "

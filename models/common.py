@@ -52,8 +52,8 @@ class ModelConfig:
                                  f"{self.tensor_model_parallel_size}")
 
     def check_context_parallel(self) -> None:
-        """Context parallelism's needs: 2 x CP chunks of the sequence (each split over TP under SP),
-        a known attention path, and no MoE layers."""
+        """Context parallelism's needs: 2 x CP chunks of the sequence (each split over TP under SP)
+        and a known attention path."""
         cp = getattr(self, "context_parallel_size", 1)
         if cp == 1:
             return
@@ -65,10 +65,7 @@ class ModelConfig:
         if self.cp_comm_type not in ("p2p", "a2a"):
             raise ValueError(f"cp_comm_type must be 'p2p' (ring attention) or 'a2a' (all-to-all), got "
                              f"{self.cp_comm_type!r}")
-        if getattr(self, "num_experts", None) is not None:
-            # each rank would route and balance its own chunks: the auxiliary losses would not be the sequence's
-            raise ValueError(f"context_parallel_size {cp} with MoE layers (num_experts {self.num_experts}): not "
-                             f"supported yet; train MoE models at context_parallel_size 1")
+
 
     def check_positions(self) -> None:
         """Megatron's max_position_embeddings, where given, must cover seq_length."""
@@ -169,6 +166,17 @@ def check_moe(config: ModelConfig) -> None:
         raise ValueError(f"moe_router_score_order must be one of {SCORE_ORDERS}, got {config.moe_router_score_order!r}")
     if config.moe_layer_freq < 1:
         raise ValueError(f"moe_layer_freq must be at least 1, got {config.moe_layer_freq}")
+
+
+def moe_stats_group(ep_group, context: ContextParallel | None):
+    """The group whose tokens an MoE layer's auxiliary losses cover (MoELayer's stats_group): the
+    EP group's; under context parallelism whole sequences', so that the losses are the single
+    process's: the CP group, or the EP group where it holds whole CP groups (the grid makes one
+    size divide the other)."""
+    if context is None:
+        return ep_group
+    ep = dist.get_world_size(ep_group) if ep_group is not None else 1
+    return ep_group if ep % dist.get_world_size(context.group) == 0 else context.group
 
 
 def moe_layer_config(config: ModelConfig, layer: int, activation: str, output_init_std: float):

@@ -46,6 +46,7 @@ from models.common import (
     check_tp_group,
     dropout,
     moe_layer_config,
+    moe_stats_group,
     normal_init,
     seeded,
     vocabulary_init,
@@ -180,7 +181,10 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config, tp_group, layer, speed, context)
         self.ln_2 = tp.LayerNorm(config.hidden_size, config.layernorm_epsilon, tp_group, sp, fused)
         moe = moe_layer_config(config, layer, "gelu", config.output_init_std)
-        self.mlp = MLP(config, tp_group, fused) if moe is None else MoELayer(moe, ep_group, tp_group)
+        if moe is None:
+            self.mlp = MLP(config, tp_group, fused)
+        else:  # the auxiliary losses over whole sequences under context parallelism
+            self.mlp = MoELayer(moe, ep_group, tp_group, moe_stats_group(ep_group, context))
         self.dropout = config.hidden_dropout_rate
         self.sequence_parallel = sp
         self.layer = layer  # in the whole model: keys the layout-invariant dropout masks

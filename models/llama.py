@@ -47,6 +47,7 @@ from models.common import (
     check_tp_group,
     dropout,
     moe_layer_config,
+    moe_stats_group,
     normal_init,
     seeded,
     vocabulary_init,
@@ -226,7 +227,10 @@ class Block(nn.Module):
         self.attn = GroupedQueryAttention(config, tp_group, layer, speed, context)
         self.norm_2 = tp.RMSNorm(config.hidden_size, config.norm_epsilon, tp_group, sp, fused)
         moe = moe_layer_config(config, layer, "swiglu", config.output_init_std)
-        self.mlp = SwiGLU(config, tp_group) if moe is None else MoELayer(moe, ep_group, tp_group)
+        if moe is None:
+            self.mlp = SwiGLU(config, tp_group)
+        else:  # the auxiliary losses over whole sequences under context parallelism
+            self.mlp = MoELayer(moe, ep_group, tp_group, moe_stats_group(ep_group, context))
         self.dropout = config.hidden_dropout_rate
         self.sequence_parallel = sp
         self.layer = layer  # in the whole model: keys the layout-invariant dropout masks

@@ -65,9 +65,10 @@ class ParallelSection(RunSection):
                               f"--context-parallel-size {self.context_parallel_size} = {model_parallel} "
                               f"does not divide the world size {world_size}")
         dp = world_size // model_parallel
-        if dp % self.expert_model_parallel_size:
+        if (dp * self.context_parallel_size) % self.expert_model_parallel_size:  # EP splits DP x CP
             raise ConfigError(f"--expert-model-parallel-size {self.expert_model_parallel_size} does not divide the "
-                              f"data-parallel size {dp} (world {world_size} / TP x PP {model_parallel})")
+                              f"data-parallel size {dp * self.context_parallel_size} (world {world_size} / TP x PP "
+                              f"{model_parallel // self.context_parallel_size})")
         return dp
 
 

@@ -65,7 +65,6 @@ def ring_shift(x: torch.Tensor, group) -> torch.Tensor:
     return _RingShift.apply(x, group)
 
 
-
 class _BroadcastFromFirst(torch.autograd.Function):
     """Every rank gets the group's first rank's x; backward sums the ranks' gradients on the first
     rank (the others' x gets zeros)."""

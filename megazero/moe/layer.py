@@ -5,7 +5,9 @@
 
 The layer takes its process groups as arguments: `ep_group` (the expert-parallel group: E/EP
 experts here, see megazero/moe/experts.py for the parameter layout and naming; None or one rank:
-all experts local) and `tp_group` (tensor parallelism inside the experts; None: none). The
+all experts local), `tp_group` (tensor parallelism inside the experts; None: none) and
+`stats_group` (whose tokens the auxiliary losses and statistics cover; None: the EP group's; under
+context parallelism the group holding whole sequences, see the models' moe_stats_group). The
 router's weight is an ordinary replicated parameter; the experts' parameters carry
 `megazero_expert = True` (their gradients are reduced over the expert-data-parallel group).
 
@@ -15,8 +17,8 @@ the model to add them and for the trainer to log them; moe_stats(model) gathers 
                      scalar tensors in the autograd graph; aux_loss() is their sum
     last_stats       {"dropped_fraction", "tokens_per_expert_min", "tokens_per_expert_max"},
                      detached scalars (routed assignments per expert, before dropping)
-Both are over the tokens of the whole EP group (the statistics are summed over it, with the
-gradients summed back in backward: megazero/moe/comm.py): every EP rank gets the same values,
+Both are over the tokens of the whole stats group (the statistics are summed over it, with the
+gradients summed back in backward: megazero/moe/comm.py): every rank of it gets the same values,
 the values of the single process on the concatenated batch. Each rank adds them to its loss,
 and the data-parallel average of the ranks' losses is then the single-process loss.
 
@@ -74,9 +76,10 @@ class MoEConfig:
 class MoELayer(nn.Module):
     """Mixture of experts in place of an MLP (see the module docstring)."""
 
-    def __init__(self, config: MoEConfig, ep_group=None, tp_group=None):
+    def __init__(self, config: MoEConfig, ep_group=None, tp_group=None, stats_group=None):
         super().__init__()
         self.config, self.ep_group, self.tp_group = config, ep_group, tp_group
+        self.stats_group = ep_group if stats_group is None else stats_group
         self.router = Router(config.hidden_size, config.num_experts, config.router_topk, config.score_order,
                              config.init_std)
         self.experts = GroupedExperts(config.num_experts, config.hidden_size, config.ffn_hidden_size,
@@ -99,7 +102,7 @@ class MoELayer(nn.Module):
         rows, state = dispatch(tokens, plan, topk, self.ep_group)
         out = self.experts(rows, state.rows_per_expert)
         y = combine(out, routing.weights, tokens.shape[0], state)
-        self._record(routing.probs, routing.logits, plan.routed, plan.kept)
+        self._record(routing.probs, routing.logits, local_counts, plan.routed, plan.kept)
         y = y.to(x.dtype).reshape(shape)
         if self.config.attach_aux_loss and self.training:
             # also under recomputation: the recomputed forward attaches them again, in its graph
@@ -108,12 +111,15 @@ class MoELayer(nn.Module):
             y = split_sequence(y, self.tp_group)
         return y
 
-    def _record(self, probs: torch.Tensor, logits: torch.Tensor, routed: torch.Tensor, kept: torch.Tensor) -> None:
-        """The auxiliary losses and statistics over the whole EP group's tokens."""
-        topk = self.config.router_topk
-        sums = all_reduce_sum(torch.cat([probs.sum(0), torch.logsumexp(logits, -1).square().sum().view(1)]),
-                              self.ep_group)
-        per_expert = routed.sum(0)
+    def _record(self, probs: torch.Tensor, logits: torch.Tensor, local_counts: torch.Tensor, routed: torch.Tensor,
+                kept: torch.Tensor) -> None:
+        """The auxiliary losses and statistics over the whole stats group's tokens (the dropped
+        fraction over the EP group's: the capacity plan's)."""
+        topk, num_experts = self.config.router_topk, self.config.num_experts
+        sums = all_reduce_sum(torch.cat([probs.sum(0), torch.logsumexp(logits, -1).square().sum().view(1),
+                                         local_counts.to(probs.dtype)]), self.stats_group)
+        per_expert = sums[num_experts + 1:].detach().round().long()  # routing assignments per expert
+        sums = sums[:num_experts + 1]
         num_tokens = per_expert.sum() / topk
         self.last_aux_losses = {
             "load_balancing": self.config.aux_loss_coeff * load_balancing_loss(sums[:-1], per_expert, num_tokens,

@@ -12,11 +12,14 @@ interleaved pipeline, optimizer offload) CP=2 trains as the single process with 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.distributed.test_model_parallel import (
     INTERLEAVED,
     INVARIANT,
+    LOSS_RTOL,
     LOW_PRECISION_RTOL,
+    PARAM_ATOL,
     STEPS,
     _assert_losses,
     _config,
@@ -128,8 +131,38 @@ def test_ring_attention_dropout_needs_the_layout_invariant_masks(pools, token_da
         assert "ring attention (cp_comm_type p2p) with attention dropout needs the layout-invariant masks" in message
 
 
-def test_moe_layers_with_context_parallelism_are_refused():
-    from models.gpt import GPTConfig
+MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_z_loss_coeff": 1e-3}  # dropless
+# (name, world, (TP, PP, EP), model overrides): MoE layers under CP, their auxiliary losses over whole sequences
+MOE_LAYOUTS = [
+    ("gpt_moe_cp2_p2p", 2, (1, 1, 1), {**MOE, "context_parallel_size": 2}),
+    ("gpt_moe_cp2_ep2_a2a", 2, (1, 1, 2), {**MOE, "context_parallel_size": 2, "cp_comm_type": "a2a"}),
+]
 
-    with pytest.raises(ValueError, match=r"context_parallel_size 2 with MoE layers \(num_experts 4\): not supported"):
-        GPTConfig(seq_length=32, num_experts=4, context_parallel_size=2)
+
+@pytest.mark.parametrize("name,world,layout,overrides", MOE_LAYOUTS, ids=[x[0] for x in MOE_LAYOUTS])
+def test_moe_under_context_parallelism_trains_as_the_single_process(pools, token_dataset_prefix_module, name, world,
+                                                                    layout, overrides):
+    single = {k: v for k, v in overrides.items() if k not in ("context_parallel_size", "cp_comm_type")}
+    reference = pools(1).run(train, _config(0, 8, **INVARIANT), token_dataset_prefix_module, STEPS, 0, None, None,
+                             None, single)[0]
+    results = pools(world).run(train, _config(0, 8, **INVARIANT), token_dataset_prefix_module, STEPS, 0, None, None,
+                               None, overrides, layout)
+    ep = layout[2]
+    for rank, result in enumerate(results):
+        _assert_losses(reference["losses"], result["losses"], LOSS_RTOL)
+        for key, value in reference["params"].items():
+            if result["params"][key].shape != value.shape:  # this EP rank's experts (EP inside DP x CP: rank % EP)
+                value = value.chunk(ep, dim=0)[rank % ep]
+            torch.testing.assert_close(result["params"][key], value, rtol=0, atol=PARAM_ATOL, msg=key)
+    assert reference["losses"][-1] < reference["losses"][0]
+
+
+def test_context_and_expert_parallel_sizes_must_divide_one_another():
+    from megazero.parallel_state import grid_groups
+
+    groups = grid_groups(4, expert_model_parallel_size=2, context_parallel_size=2)
+    assert groups["ep"] == groups["cp"] == [(0, 1), (2, 3)]
+    assert grid_groups(8, expert_model_parallel_size=4, context_parallel_size=2)["ep"] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    with pytest.raises(ValueError, match=r"context_parallel_size 2 and expert_model_parallel_size 3: one must "
+                                         r"divide the other"):
+        grid_groups(6, expert_model_parallel_size=3, context_parallel_size=2)

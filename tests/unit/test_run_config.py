@@ -174,6 +174,9 @@ def test_the_parallel_section_is_checked_against_the_world_size():
         run.parallel.data_parallel_size(6)
     with pytest.raises(ValueError, match="--expert-model-parallel-size 2 does not divide the data-parallel size 1"):
         run.parallel.data_parallel_size(4)
+    # EP splits DP x CP: two ranks at CP 2 hold one sample shard and two expert groups
+    both = _parse("--context-parallel-size", "2", "--expert-model-parallel-size", "2")
+    assert both.parallel.data_parallel_size(2) == 1
 
 
 @pytest.mark.parametrize("flag,value", [("--lr", "inf"), ("--clip-grad", "nan"), ("--min-lr", "-inf")])
