@@ -1,7 +1,7 @@
 """DeepSpeed's CIFAR-10 tutorial, as its users write it (tests/tutorials/cifar10_deepspeed_style.py:
 the tutorial's flags, config dict and loop; `import megazero as deepspeed` and the accelerator import
-are the edits), trains on 2 gloo ranks with a falling loss: every ZeRO stage and every precision, each precision
-at two stages (ZeRO-2 in bf16 is what DeepSpeed itself runs here)."""
+are the edits), trains on 2 gloo ranks with a falling loss: every ZeRO stage, every precision (ZeRO-2 in bf16 is
+what DeepSpeed itself runs here); the other pairs are the engine's tests."""
 
 from __future__ import annotations
 
@@ -30,8 +30,7 @@ def _train(stage: int, dtype: str, tmp_path) -> list[float]:
     return json.loads(line[len("LOSSES "):])
 
 
-@pytest.mark.parametrize("stage,dtype", [(0, "fp32"), (0, "fp16"), (1, "bf16"), (2, "bf16"), (3, "fp16"),
-                                         (3, "fp32")])
+@pytest.mark.parametrize("stage,dtype", [(0, "fp32"), (1, "fp16"), (2, "bf16"), (3, "fp16")])
 def test_cifar10_tutorial_trains(stage, dtype, tmp_path):
     losses = _train(stage, dtype, tmp_path)
     assert len(losses) == 1024 // 16  # one epoch of 16-image global batches, 8 per rank
