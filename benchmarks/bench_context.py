@@ -9,7 +9,7 @@ Then the longest sequence that trains a step under a per-rank memory cap (RLIMIT
 benchmarks/largest_model.py caps ranks: running out is a clean allocation error), for each mode:
 doubled from 2k until a step fails, then bisected to --granule tokens, every try in fresh processes.
 
-    python benchmarks/bench_context.py [--seq-lengths 2048 4096 8192 16384 32768] [--steps 3] [--cap-gib 6]
+    python benchmarks/bench_context.py [--seq-lengths 2048 4096 8192 16384 32768] [--steps 3] [--cap-gib 3]
 
 Targets (issue 38): activations per rank at CP=2 <= 0.55x CP=1's at 8k and beyond; CP=2 tokens/s
 >= 0.9x CP=1's at 8k; the longest sequence under the cap at CP=2 >= 1.8x CP=1's.
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seq-lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
     parser.add_argument("--steps", type=int, default=3, help="timed steps per mode (after one warm-up step)")
     parser.add_argument("--long-steps", type=int, default=1, help=f"timed steps beyond {LONG} tokens")
-    parser.add_argument("--cap-gib", type=float, default=6.0,
+    parser.add_argument("--cap-gib", type=float, default=3.0,
                         help="per-rank address-space cap of the longest-sequence search (0: no search)")
     parser.add_argument("--granule", type=int, default=512, help="the longest sequence's resolution (tokens)")
     parser.add_argument("--search-start", type=int, default=2048, help="the longest-sequence search's first try")

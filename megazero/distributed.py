@@ -76,6 +76,9 @@ def init_distributed(dist_backend: str | None = None, timeout: datetime.timedelt
     return launch
 
 
+_SETTLE_REGISTERED = False
+
+
 def settle_collectives_at_exit() -> None:
     """Make the interpreter's exit wait a moment for the collectives' threads (once per process;
     init_distributed and megazero.initialize call it)."""
@@ -83,9 +86,6 @@ def settle_collectives_at_exit() -> None:
     if not _SETTLE_REGISTERED:
         atexit.register(_let_collectives_settle_at_exit)
         _SETTLE_REGISTERED = True
-
-
-_SETTLE_REGISTERED = False
 
 
 def _let_collectives_settle_at_exit() -> None:
