@@ -305,6 +305,20 @@ def render_context(r: dict) -> str:
     return "\n\n".join(parts)
 
 
+def render_muon(r: dict) -> str:
+    """The step-time table, then the validation-loss curves side by side and the verdict."""
+    parts = [generic_table(r["steps"])]
+    if r.get("loss"):
+        curves = {name: dict(curve["validation"]) for name, curve in r["loss"].items()}
+        steps = sorted(set().union(*curves.values()))
+        rows = [{"iteration": step, **{f"{name} validation loss": curves[name].get(step) for name in curves}}
+                for step in steps]
+        parts.append("Validation loss of the GPT recipe at the same tokens:\n\n" + generic_table(rows))
+    if r.get("verdict"):
+        parts.append(f"- {r['verdict']}")
+    return "\n\n".join(parts)
+
+
 # ---- the page --------------------------------------------------------------------------------------
 @dataclass
 class Section:
@@ -356,6 +370,11 @@ SECTIONS = [
             "communication optimizer next to its plain counterpart from the same seed and batches: the loss after "
             "the same steps, then tokens/s and bytes sent per step after the warm-up (alternating trials).",
             render_onebit),
+    Section("muon", "Muon against AdamW", "bench_muon.py",
+            "The recipe's GPT at DP=1 and DP=2 (2 gloo ranks), AdamW and Muon engines from the same seed taking "
+            "turns: the step time, the time Muon adds and the time each rank spends orthogonalising (round-robin "
+            "owners against every rank doing every matrix, ZeRO-0 and ZeRO-1); then the GPT recipe's validation "
+            "loss with each at the same tokens.", render_muon),
     Section("offload", "Optimizer offload to NVMe", "bench_offload.py",
             "megazero ZeRO-1/2/3 with `zero_optimization.offload_optimizer.device` set to nvme next to the same "
             "stage in memory, one process, alternating trials: the step-time ratio, the swap I/O per step and "
@@ -379,7 +398,7 @@ SECTIONS = [
             "CP=2 (two gloo ranks, one core each) with ring (p2p) and all-to-all (a2a) attention, one after another "
             "in one run: activations kept for backward per rank, peak RSS, tokens/s and the ratios to CP=1 (the "
             "sample's first loss is the same in every mode); then the longest sequence each mode trains under a "
-            "per-rank memory cap.", render_context),
+            "per-rank memory cap.", render_context, variants=["context_exposed.json"]),
     Section("largest_model", "The largest model per rank memory", "largest_model.py",
             "The largest GPT that trains a step at DP=2 with each rank's address space capped: torch DDP, megazero "
             "ZeRO-3 under zero.Init, and ZeRO-3 with parameters and optimizer on NVMe.", render_largest),

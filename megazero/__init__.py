@@ -88,7 +88,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     if engine_config.compute_dtype != torch.float32:
         model = model.to(engine_config.compute_dtype)
     broadcast_model(model, dp_group, grid.expert_dp_group if grid is not None else None)  # one model on every replica
-    groups = _param_groups(optimizer, model_parameters, model, engine_config)
+    groups = _muon_groups(_param_groups(optimizer, model_parameters, model, engine_config), model, engine_config)
     tied = tied_parameters(model)
     dp_state = build_data_parallel_state(engine_config, model, [g["params"] for g in groups], dp_group, isolate=tied,
                                          ep_group=grid.ep_group if grid is not None else None,
@@ -106,6 +106,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     else:
         optimizer = optimizer(optimizer_groups)
     _bind_averager(optimizer, model, dp_group, engine_config)  # its ZeRO refusal before any other check
+    _bind_orthogonalizer(optimizer, dp_state, grid)
     check_zero_optimizer(engine_config, optimizer)
     optimizer = dp_state.optimizer_to_step(optimizer)  # offloaded: stepped sub-group by sub-group
     _warn_client_scheduler_wins(lr_scheduler, engine_config)
@@ -154,6 +155,31 @@ def _bind_averager(optimizer, model: torch.nn.Module, dp_group, config: EngineCo
         raise ConfigError(f"optimizer {name} with expert (MoE) parameters: their gradients are reduced over the "
                           f"expert-data-parallel group, which it does not compress; use Adam or Lamb")
     optimizer.bind_data_parallel(dp_group)
+
+
+def _muon_groups(groups: list[dict], model: torch.nn.Module, config: EngineConfig) -> list[dict]:
+    """The config's Muon splits each param group into its hidden matrices (Muon) and the rest
+    (AdamW) before the data-parallel state flattens them (megazero.optim.muon.muon_param_groups)."""
+    if config.optimizer is None or config.optimizer.type.lower() != "muon":
+        return groups
+    from megazero.optim.muon import DEFAULT_ADAMW_PARAMS, muon_param_groups
+
+    return muon_param_groups(model, groups, config.optimizer.params.get("adamw_params", DEFAULT_ADAMW_PARAMS))
+
+
+def _bind_orthogonalizer(optimizer, dp_state, grid) -> None:
+    """An optimizer whose update reads whole matrices (Muon) gets the orthogonalizer that assembles
+    them over the data-parallel state and the tensor-parallel group (megazero.zero.whole_matrices)."""
+    from megazero.optim.muon import WholeMatrixOptimizer, orthogonalize
+    from megazero.zero.whole_matrices import build_orthogonalizer
+
+    if not isinstance(optimizer, WholeMatrixOptimizer):
+        return
+    try:
+        optimizer.bind_orthogonalizer(build_orthogonalizer(dp_state, grid.tp_group if grid is not None else None,
+                                                           orthogonalize))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _check_model_chunks(model: torch.nn.Module, grid, config: EngineConfig) -> None:

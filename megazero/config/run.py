@@ -80,11 +80,24 @@ class TrainingSection(RunSection):
 
     micro_batch_size: int | None = Field(None, ge=1, description="engine key train_micro_batch_size_per_gpu")
     global_batch_size: int | None = Field(None, ge=1, description="engine key train_batch_size")
+    optimizer: Literal["adam", "sgd", "muon"] | None = Field(
+        None, description="engine key optimizer.type: adam is AdamW (Megatron's adam decays decoupled), muon is Muon "
+                          "on the hidden matrices with AdamW on the rest (the --adam-* flags set its AdamW's)")
     lr: float | None = Field(None, ge=0, description="peak learning rate: engine key optimizer.params.lr")
     weight_decay: float | None = Field(None, ge=0, description="engine key optimizer.params.weight_decay")
-    adam_beta1: float | None = Field(None, ge=0, lt=1, description="engine key optimizer.params.betas[0]")
-    adam_beta2: float | None = Field(None, ge=0, lt=1, description="engine key optimizer.params.betas[1]")
-    adam_eps: float | None = Field(None, gt=0, description="engine key optimizer.params.eps")
+    adam_beta1: float | None = Field(None, ge=0, lt=1,
+                                     description="engine key optimizer.params.betas[0] (Muon: adamw_betas)")
+    adam_beta2: float | None = Field(None, ge=0, lt=1,
+                                     description="engine key optimizer.params.betas[1] (Muon: adamw_betas)")
+    adam_eps: float | None = Field(None, gt=0, description="engine key optimizer.params.eps (Muon: adamw_eps)")
+    muon_momentum: float | None = Field(None, ge=0, lt=1, description="engine key optimizer.params.momentum (Muon)")
+    muon_no_nesterov: bool = Field(False, description="Muon's plain momentum: engine key optimizer.params.nesterov "
+                                                      "false")
+    muon_num_ns_steps: int | None = Field(None, ge=1, description="engine key optimizer.params.ns_steps (Muon)")
+    muon_scale_mode: Literal["shape", "spectral"] | None = Field(
+        None, description="engine key optimizer.params.scale_mode (Muon)")
+    muon_extra_scale_factor: float | None = Field(None, gt=0, description="engine key optimizer.params."
+                                                                          "extra_scale_factor (Muon)")
     clip_grad: float | None = Field(None, ge=0, description="gradient norm clipping: engine key gradient_clipping")
     bf16: bool = Field(False, description="bfloat16 compute: engine key bf16.enabled")
     fp16: bool = Field(False, description="float16 compute with a loss scale: engine key fp16.enabled")
@@ -263,14 +276,47 @@ def _get(config: dict, path: str) -> Any:
     return node
 
 
+def _is_muon(config: dict) -> bool:
+    return str(config.get("optimizer", {}).get("type", "")).lower() == "muon"
+
+
 def _betas(index: int) -> Callable[[dict, float], str]:
     def write(config: dict, value: float) -> str:
         params = config.setdefault("optimizer", {"type": "AdamW", "params": {}}).setdefault("params", {})
-        betas = list(params.get("betas", [0.9, 0.999]))
+        key = "adamw_betas" if _is_muon(config) else "betas"  # Muon's AdamW part
+        betas = list(params.get(key, [0.9, 0.95] if _is_muon(config) else [0.9, 0.999]))
         betas[index] = value
-        params["betas"] = betas
-        return f"optimizer.params.betas.{index}"
+        params[key] = betas
+        return f"optimizer.params.{key}.{index}"
     return write
+
+
+def _adam_eps(config: dict, value: float) -> str:
+    key = "adamw_eps" if _is_muon(config) else "eps"
+    config.setdefault("optimizer", {"type": "AdamW", "params": {}}).setdefault("params", {})[key] = value
+    return f"optimizer.params.{key}"
+
+
+# Megatron's --optimizer to the engine's type; Adam's keys that Muon names for its AdamW part
+OPTIMIZER_TYPES = {"adam": "AdamW", "sgd": "SGD", "muon": "Muon"}
+MUON_ADAMW_KEYS = {"betas": "adamw_betas", "eps": "adamw_eps"}
+ADAM_ONLY_KEYS = ("torch_adam", "amsgrad", "bias_correction", "adam_w_mode")
+
+
+def _optimizer(config: dict, name: str) -> str:
+    """optimizer.type from --optimizer. Switching an Adam block to Muon keeps lr and weight_decay
+    (Muon's), moves betas and eps to its AdamW part's keys and drops the keys only Adam has."""
+    block = config.setdefault("optimizer", {"type": "AdamW", "params": {}})
+    before = str(block.get("type", "")).lower()
+    block["type"] = OPTIMIZER_TYPES[name]
+    params = block.setdefault("params", {})
+    if name == "muon" and before != "muon":
+        for adam_key, muon_key in MUON_ADAMW_KEYS.items():
+            if adam_key in params:
+                params[muon_key] = params.pop(adam_key)
+        for key in ADAM_ONLY_KEYS:
+            params.pop(key, None)
+    return "optimizer.type"
 
 
 def _precision(key: str, other: str) -> Callable[[dict, bool], str]:
@@ -310,11 +356,18 @@ ENGINE_KEYS: dict[tuple[str, str], str | Callable[[dict, Any], str]] = {
     ("parallel", "pipeline_partition_method"): "pipeline.partition_method",
     ("training", "micro_batch_size"): "train_micro_batch_size_per_gpu",
     ("training", "global_batch_size"): "train_batch_size",
+    ("training", "optimizer"): _optimizer,  # first: the keys below depend on the type
     ("training", "lr"): "optimizer.params.lr",
     ("training", "weight_decay"): "optimizer.params.weight_decay",
     ("training", "adam_beta1"): _betas(0),
     ("training", "adam_beta2"): _betas(1),
-    ("training", "adam_eps"): "optimizer.params.eps",
+    ("training", "adam_eps"): _adam_eps,
+    ("training", "muon_momentum"): "optimizer.params.momentum",
+    ("training", "muon_no_nesterov"): lambda config, on: _set(config, "optimizer.params.nesterov", False) or
+    "optimizer.params.nesterov",
+    ("training", "muon_num_ns_steps"): "optimizer.params.ns_steps",
+    ("training", "muon_scale_mode"): "optimizer.params.scale_mode",
+    ("training", "muon_extra_scale_factor"): "optimizer.params.extra_scale_factor",
     ("training", "clip_grad"): "gradient_clipping",
     ("training", "bf16"): _precision("bf16", "fp16"),
     ("training", "fp16"): _precision("fp16", "bf16"),

@@ -1,10 +1,35 @@
 """Context-parallel collectives as autograd functions: each forward has its gradient's collective
-in backward. The group is an argument; nothing here reads global state."""
+in backward. The group is an argument; nothing here reads global state but `exposed`, the clock of
+the time spent blocked in them."""
 
 from __future__ import annotations
 
+import contextlib
+import time
+
 import torch
 import torch.distributed as dist
+
+
+class ExposedTime:
+    """Seconds this process has spent blocked in context-parallel communication: the blocking
+    exchanges whole, a ring hop from its wait (what the block computed meanwhile hid the rest).
+    benchmarks/bench_context.py reports it per step as the exposed share."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    @contextlib.contextmanager
+    def blocked(self):
+        """Count the time inside as blocked."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds += time.perf_counter() - start
+
+
+exposed = ExposedTime()
 
 
 class _AllToAll(torch.autograd.Function):
@@ -24,7 +49,8 @@ class _AllToAll(torch.autograd.Function):
 def _exchange(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous()  # first: empty_like keeps a view's strides, and the collective writes contiguously
     out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=group)
+    with exposed.blocked():
+        dist.all_to_all_single(out, x, group=group)
     return out
 
 
@@ -53,10 +79,11 @@ def _shift(x: torch.Tensor, group, step: int) -> torch.Tensor:
     to = dist.get_global_rank(group, (rank + step) % world)
     source = dist.get_global_rank(group, (rank - step) % world)
     out = torch.empty_like(x)
-    requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, to, group),
-                                       dist.P2POp(dist.irecv, out, source, group)])
-    for request in requests:
-        request.wait()
+    with exposed.blocked():
+        requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, to, group),
+                                           dist.P2POp(dist.irecv, out, source, group)])
+        for request in requests:
+            request.wait()
     return out
 
 
@@ -73,13 +100,15 @@ class _BroadcastFromFirst(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
         ctx.group = group
         out = x.clone().contiguous()
-        dist.broadcast(out, dist.get_global_rank(group, 0), group=group)
+        with exposed.blocked():
+            dist.broadcast(out, dist.get_global_rank(group, 0), group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
+        with exposed.blocked():
+            dist.all_reduce(grad, group=ctx.group)
         return (grad if dist.get_rank(ctx.group) == 0 else torch.zeros_like(grad)), None
 
 

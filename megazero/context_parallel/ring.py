@@ -33,6 +33,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from megazero.context_parallel.comm import exposed
 from megazero.context_parallel.split import chunk_ids
 
 
@@ -75,8 +76,9 @@ class _Shift:
 
     def result(self) -> torch.Tensor:
         """The previous rank's tensor."""
-        for request in self.requests:
-            request.wait()
+        with exposed.blocked():
+            for request in self.requests:
+                request.wait()
         return self.out
 
 

@@ -25,6 +25,7 @@ import torch
 from megazero.ops.cpu_optimizers import FusedCPUAdagrad, FusedCPUAdam, FusedCPULamb
 from megazero.ops.cuda_ops import FusedCUDAAdam, FusedCUDALamb
 from megazero.optim.lion import Lion, LionParams
+from megazero.optim.muon import Muon, MuonParams
 from megazero.optim.onebit import (
     OneBitAdam,
     OneBitAdamParams,
@@ -106,6 +107,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
     "lamb": OptimizerSpec("Lamb", LambParams, cpu=FusedCPULamb, cuda=FusedCUDALamb, reference=_lamb_reference),
     "adagrad": OptimizerSpec("Adagrad", AdagradParams, cpu=FusedCPUAdagrad, cuda=None, reference=torch.optim.Adagrad),
     "lion": OptimizerSpec("Lion", LionParams, cpu=None, cuda=None, reference=Lion),
+    "muon": OptimizerSpec("Muon", MuonParams, cpu=None, cuda=None, reference=Muon),
     # the compressed-communication ones (megazero.optim.onebit); DeepSpeed also spells it OnebitAdam
     "onebitadam": OptimizerSpec("OneBitAdam", OneBitAdamParams, cpu=OneBitAdam, cuda=None,
                                 reference=partial(OneBitAdam, use_op=False)),

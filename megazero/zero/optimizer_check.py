@@ -15,9 +15,10 @@ def tested_optimizer_types() -> tuple[type, ...]:
     from megazero.ops.cpu_optimizers import FusedCPUAdagrad, FusedCPUAdam, FusedCPULamb
     from megazero.ops.cuda_ops import FusedCUDAAdam, FusedCUDALamb
     from megazero.optim.lion import Lion
+    from megazero.optim.muon import Muon  # assembles whole matrices itself (megazero.zero.whole_matrices)
 
     return (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad, FusedCPUAdam, FusedCPULamb,
-            FusedCPUAdagrad, FusedCUDAAdam, FusedCUDALamb, Lion)
+            FusedCPUAdagrad, FusedCUDAAdam, FusedCUDALamb, Lion, Muon)
 
 
 def check_zero_optimizer(config, optimizer: torch.optim.Optimizer) -> None:

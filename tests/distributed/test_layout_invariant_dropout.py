@@ -74,9 +74,10 @@ def test_interleaved_tp_pp_matches_single_process_with_dropout(pools, reference,
 MOE_VOCAB, MOE_SEQ, MOE_BATCH = 64, 16, 4
 
 
-def run_moe(ep: int | None) -> dict:
+def run_moe(ep: int | None, optimizer: dict | None = None) -> dict:
     """The MoE GPT (4 experts, top-2, capacity factor 1.0, ZeRO 2, dropout 0.1) for 10 steps on this
-    DP rank's slice of each global batch; ep None: the single process, the whole batch."""
+    DP rank's slice of each global batch; ep None: the single process, the whole batch. `optimizer`:
+    the engine config's block (default AdamW)."""
     grid = parallel_state.initialize_model_parallel(1, 1, ep) if ep is not None else None
     torch.manual_seed(0)
     model = parallelize(GPTConfig(vocab_size=MOE_VOCAB, seq_length=MOE_SEQ, num_layers=2, hidden_size=32,
@@ -84,7 +85,7 @@ def run_moe(ep: int | None) -> dict:
                                   moe_router_topk=2, moe_capacity_factor=1.0, dropout=P), grid)
     dp = dist.get_world_size() if grid is not None else 1
     config = {"train_batch_size": MOE_BATCH, "train_micro_batch_size_per_gpu": MOE_BATCH // dp,
-              "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}},
+              "optimizer": optimizer or {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}},
               "gradient_clipping": 1.0, "steps_per_print": 1000, "zero_optimization": {"stage": 2}, **INVARIANT}
     engine, *_ = megazero.initialize(model=model, config=config, mpu=parallel_state if grid is not None else None)
     micro, rank = engine.train_micro_batch_size_per_gpu(), engine.dp_rank

@@ -20,7 +20,6 @@ import os
 import re
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -143,12 +142,38 @@ def flags_named(page: str) -> set[tuple[str, str]]:
     return named
 
 
-def help_flags(script: str) -> frozenset[str]:
-    """The flags `python <script> --help` lists (aliases included)."""
-    out = subprocess.run([sys.executable, os.path.join(REPO, script), "--help"], cwd=REPO,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, f"`python {script} --help` failed:\n{out.stderr[-2000:]}"
-    return frozenset(FLAG.findall(out.stdout))
+# runs each script as `python <script> --help` would, in one interpreter (torch imported once),
+# printing {"script", "code", "out"} per script as a JSON line
+HELP_RUNNER = """
+import contextlib, io, json, runpy, sys
+for script in sys.argv[1:]:
+    sys.argv = [script, "--help"]
+    out, code = io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as e:
+            code = e.code or 0
+        except Exception as e:  # a script that fails before its parser: the test names it
+            print(repr(e))
+            code = 1
+    print(json.dumps({"script": script, "code": code, "out": out.getvalue()}), flush=True)
+"""
+
+
+def help_flags(scripts: list[str]) -> dict[str, frozenset[str]]:
+    """{script: the flags `python <script> --help` lists (aliases included)}."""
+    out = subprocess.run([sys.executable, "-c", HELP_RUNNER, *scripts], cwd=REPO, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    known = {}
+    for line in out.stdout.splitlines():
+        if line.startswith('{"script"'):
+            result = json.loads(line)
+            assert result["code"] == 0, f"`python {result['script']} --help` failed:\n{result['out'][-2000:]}"
+            known[result["script"]] = frozenset(FLAG.findall(result["out"]))
+    assert sorted(known) == sorted(scripts), (sorted(known), out.stderr[-3000:])
+    return known
 
 
 def test_script_flags_exist():
@@ -156,8 +181,7 @@ def test_script_flags_exist():
     scripts = sorted({script for _, script, _ in named})
     missing_scripts = [s for s in scripts if not os.path.exists(os.path.join(REPO, s))]
     assert not missing_scripts, f"the manual runs scripts that do not exist: {missing_scripts}"
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        known = dict(zip(scripts, pool.map(help_flags, scripts)))
+    known = help_flags(scripts)
     missing = [f"{page}: `{script} {flag}`" for page, script, flag in sorted(named) if flag not in known[script]]
     assert not missing, "the manual passes flags the scripts do not define:\n" + "\n".join(missing)
 
