@@ -20,8 +20,8 @@ pieces the masters hold, orthogonalises it on one owner rank and hands each rank
   the same experts); an expert weight is a stack of its experts' matrices, each orthogonalised
   alone, so a matrix is never gathered over ranks that hold other experts.
 
-Optimizer offload to NVMe steps sub-groups from swap files, masters this does not assemble:
-refused (build_orthogonalizer names the combination).
+Optimizer offload (OffloadedState: NVMe, or host memory on a GPU) steps sub-groups one by one,
+masters this does not assemble: refused (build_orthogonalizer names the combination).
 """
 
 from __future__ import annotations
@@ -151,6 +151,6 @@ def build_orthogonalizer(state, tp_group, orthogonalize):
     if isinstance(state, ExpertParallelState):
         return ExpertParallelMatrices([build_orthogonalizer(s, tp_group, orthogonalize)
                                        for s in (state.dense, state.expert) if s is not None])
-    raise ValueError(f"Muon with {type(state).__name__}: its update orthogonalises whole matrices, which this "
-                     f"data-parallel state (optimizer offload to nvme) does not assemble; use ZeRO stages 0-3 "
-                     f"without offloading the optimizer to nvme, or AdamW")
+    raise ValueError(f"Muon with {type(state).__name__}: its update orthogonalises whole matrices, which "
+                     f"zero_optimization.offload_optimizer (sub-groups stepped one by one, from host memory or "
+                     f"nvme) does not assemble; use ZeRO stages 0-3 without offload_optimizer, or AdamW")
