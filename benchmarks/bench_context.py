@@ -4,8 +4,8 @@ gloo ranks, one core each) with ring (p2p) and all-to-all (a2a) attention, one a
 one run: the activations each rank keeps for backward (engine.last_activation_bytes), its peak RSS
 and tokens/s, with the CP=2 / CP=1 ratios, and the exposed share of the step: the time a rank spent
 blocked in context-parallel communication (megazero.context_parallel.comm.exposed: the all-to-alls
-whole, a ring hop from its wait on), over the step time (the largest rank's). Sequences longer than 8k time --long-steps steps (one
-step of 32k tokens takes minutes here).
+whole, a ring hop from its wait on), over the step time (the largest rank's). Sequences longer
+than 8k time --long-steps steps (one step of 32k tokens takes minutes here).
 
 Then the longest sequence that trains a step under a per-rank memory cap (RLIMIT_AS, --cap-gib, as
 benchmarks/largest_model.py caps ranks: running out is a clean allocation error), for each mode:

@@ -111,7 +111,8 @@ def orthogonalize(whole: torch.Tensor, group: dict, partition_dim: int | None = 
 Orthogonalizer = Callable[[list[tuple[torch.nn.Parameter, torch.Tensor]], dict], list[torch.Tensor]]
 
 
-def whole_tensor_orthogonalizer(items: list[tuple[torch.nn.Parameter, torch.Tensor]], group: dict) -> list[torch.Tensor]:
+def whole_tensor_orthogonalizer(items: list[tuple[torch.nn.Parameter, torch.Tensor]],
+                                group: dict) -> list[torch.Tensor]:
     """Each master is a whole weight: orthogonalise it as it is (per logical matrix of a fused weight)."""
     return [orthogonalize(u, group, getattr(p, "partition_dim", None), getattr(p, "partition_stride", 1))
             for p, u in items]

@@ -130,7 +130,8 @@ def test_param_group_rule():
                     "blocks.0.mlp.proj.weight"]
     assert all(g["weight_decay"] == 0.1 for g in groups)  # the group's own options kept
     llama = Llama(LlamaConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                              ffn_hidden_size=64, vocab_size=64, seq_length=8, untie_embeddings_and_output_weights=True))
+                              ffn_hidden_size=64, vocab_size=64, seq_length=8,
+                              untie_embeddings_and_output_weights=True))
     lm_head = llama.lm_head.weight
     assert lm_head.dim() == 2 and not is_muon_matrix("lm_head.weight", lm_head)
     assert is_muon_matrix("lm_head.weight", lm_head, adamw_params=["*wte*"])  # the user's own rule
