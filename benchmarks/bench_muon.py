@@ -9,10 +9,9 @@ in one run.
    matrix (no owners: what the round-robin saves). Reported: the median step time, Muon's added
    time over AdamW's step, and the time per step each rank spends in the orthogonalizer.
 2. Validation loss at the same tokens: the GPT recipe (scripts/pretrain_gpt2.sh, its defaults) for
-   --iters iterations with its AdamW engine JSON, and with `--optimizer muon --lr <--muon-lr>`
-   (the JSON's AdamW lr and weight decay for the embeddings, norms and biases: --muon-adamw-lr;
-   Muon's own decay 0, the reference's), validated every --eval-interval iterations; both curves
-   are written.
+   --iters iterations with its AdamW engine JSON, and with that JSON's optimizer made Muon (lr
+   --muon-lr, its decay 0 as the reference's; the JSON's AdamW keys for the embeddings, norms and
+   biases, lr --muon-adamw-lr), validated every --eval-interval iterations; both curves written.
 
     python benchmarks/bench_muon.py [--trials 5] [--iters 300] [--skip-loss]
 
@@ -146,15 +145,16 @@ def _validation_curve(log_dir: str) -> list[tuple[int, float]]:
 def loss_curves(args) -> dict:
     """The recipe with AdamW (its JSON) and with Muon, one after the other, in a scratch directory."""
     curves = {}
-    for name, flags in {"adamw": [], "muon": ["--optimizer", "muon", "--lr", str(args.muon_lr)]}.items():
+    for name, flags in {"adamw": [], "muon": ["--lr", str(args.muon_lr)]}.items():
         with tempfile.TemporaryDirectory() as scratch:
             engine = os.path.join(scratch, "engine.json")
             with open(os.path.join(REPO, "configs", "ds_gpt2_cpu.json")) as f:
                 config = json.load(f)
-            if name == "muon":  # the AdamW block's lr and decay for the rest; Muon's decay the reference's 0
-                params = config["optimizer"]["params"]
-                params.update(adamw_lr=args.muon_adamw_lr, adamw_weight_decay=params.pop("weight_decay", 0.0),
-                              weight_decay=0.0)
+            if name == "muon":  # the AdamW block's keys for the rest; Muon's decay the reference's 0
+                adam = config["optimizer"]["params"]
+                config["optimizer"] = {"type": "Muon", "params": {
+                    "weight_decay": 0.0, "adamw_lr": args.muon_adamw_lr, "adamw_weight_decay": adam["weight_decay"],
+                    "adamw_betas": adam["betas"], "adamw_eps": adam["eps"]}}
             with open(engine, "w") as f:
                 json.dump(config, f)
             tb = os.path.join(scratch, "tb")

@@ -221,7 +221,9 @@ RULES: dict[str, Rule] = {
     "zero_optimization.override_module_apply": _no_effect("DeepSpeed's ZeRO-3 module.apply hook"),
     "zero_optimization.parameter_alignment": _no_effect("a GPU alignment knob; megazero pads partitions itself"),
     "zero_optimization.pipeline_loading_checkpoint": _no_effect(_LAYOUT_FREE),
-    "zero_optimization.save_muon_momentum_buffer_in_memory": _no_effect("a Muon option (megazero has no Muon)"),
+    "zero_optimization.save_muon_momentum_buffer_in_memory": _no_effect(
+        "DeepSpeed's Muon under offload; megazero's Muon keeps its momentum with the masters and refuses optimizer "
+        "offload"),
     "zero_optimization.leaf_module": _refused(
         "naming ZeRO-3 leaf modules (use stage3_module_granularity_threshold)",
         lambda v: v is None or (isinstance(v, dict) and not any(v.values())), "every list empty"),

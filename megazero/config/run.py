@@ -82,7 +82,8 @@ class TrainingSection(RunSection):
     global_batch_size: int | None = Field(None, ge=1, description="engine key train_batch_size")
     optimizer: Literal["adam", "sgd", "muon"] | None = Field(
         None, description="engine key optimizer.type: adam is AdamW (Megatron's adam decays decoupled), muon is Muon "
-                          "on the hidden matrices with AdamW on the rest (the --adam-* flags set its AdamW's)")
+                          "on the hidden matrices with AdamW on the rest (an Adam block's lr, weight decay, betas and "
+                          "eps become its AdamW part's; --lr and --weight-decay set Muon's)")
     lr: float | None = Field(None, ge=0, description="peak learning rate: engine key optimizer.params.lr")
     weight_decay: float | None = Field(None, ge=0, description="engine key optimizer.params.weight_decay")
     adam_beta1: float | None = Field(None, ge=0, lt=1,
@@ -91,8 +92,8 @@ class TrainingSection(RunSection):
                                      description="engine key optimizer.params.betas[1] (Muon: adamw_betas)")
     adam_eps: float | None = Field(None, gt=0, description="engine key optimizer.params.eps (Muon: adamw_eps)")
     muon_momentum: float | None = Field(None, ge=0, lt=1, description="engine key optimizer.params.momentum (Muon)")
-    muon_no_nesterov: bool = Field(False, description="Muon's plain momentum: engine key optimizer.params.nesterov "
-                                                      "false")
+    muon_nesterov: bool | None = Field(None, description="engine key optimizer.params.nesterov (Muon; False: plain "
+                                                         "momentum)")
     muon_num_ns_steps: int | None = Field(None, ge=1, description="engine key optimizer.params.ns_steps (Muon)")
     muon_scale_mode: Literal["shape", "spectral"] | None = Field(
         None, description="engine key optimizer.params.scale_mode (Muon)")
@@ -299,13 +300,16 @@ def _adam_eps(config: dict, value: float) -> str:
 
 # Megatron's --optimizer to the engine's type; Adam's keys that Muon names for its AdamW part
 OPTIMIZER_TYPES = {"adam": "AdamW", "sgd": "SGD", "muon": "Muon"}
-MUON_ADAMW_KEYS = {"betas": "adamw_betas", "eps": "adamw_eps"}
+MUON_ADAMW_KEYS = {"lr": "adamw_lr", "weight_decay": "adamw_weight_decay", "betas": "adamw_betas",
+                   "eps": "adamw_eps"}
 ADAM_ONLY_KEYS = ("torch_adam", "amsgrad", "bias_correction", "adam_w_mode")
 
 
 def _optimizer(config: dict, name: str) -> str:
-    """optimizer.type from --optimizer. Switching an Adam block to Muon keeps lr and weight_decay
-    (Muon's), moves betas and eps to its AdamW part's keys and drops the keys only Adam has."""
+    """optimizer.type from --optimizer. Switching an Adam block to Muon makes the block's keys its
+    AdamW part's (lr, weight_decay, betas, eps: the rest of the model keeps the training it was
+    tuned for), leaves Muon's own at its defaults (--lr and --weight-decay set them) and drops the
+    keys only Adam has."""
     block = config.setdefault("optimizer", {"type": "AdamW", "params": {}})
     before = str(block.get("type", "")).lower()
     block["type"] = OPTIMIZER_TYPES[name]
@@ -317,6 +321,18 @@ def _optimizer(config: dict, name: str) -> str:
         for key in ADAM_ONLY_KEYS:
             params.pop(key, None)
     return "optimizer.type"
+
+
+def _muon_key(key: str) -> Callable[[dict, Any], str]:
+    """A --muon-* flag's writer: optimizer.params.<key>, for a Muon block only (an error otherwise)."""
+    def write(config: dict, value: Any) -> str:
+        if not _is_muon(config):
+            raise ConfigError(f"--muon-{key.replace('_', '-')} sets a Muon option, but the optimizer is "
+                              f"{config.get('optimizer', {}).get('type', 'AdamW')}: add --optimizer muon (or give an "
+                              f"engine JSON whose optimizer.type is Muon)")
+        _set(config, f"optimizer.params.{key}", value)
+        return f"optimizer.params.{key}"
+    return write
 
 
 def _precision(key: str, other: str) -> Callable[[dict, bool], str]:
@@ -362,12 +378,11 @@ ENGINE_KEYS: dict[tuple[str, str], str | Callable[[dict, Any], str]] = {
     ("training", "adam_beta1"): _betas(0),
     ("training", "adam_beta2"): _betas(1),
     ("training", "adam_eps"): _adam_eps,
-    ("training", "muon_momentum"): "optimizer.params.momentum",
-    ("training", "muon_no_nesterov"): lambda config, on: _set(config, "optimizer.params.nesterov", False) or
-    "optimizer.params.nesterov",
-    ("training", "muon_num_ns_steps"): "optimizer.params.ns_steps",
-    ("training", "muon_scale_mode"): "optimizer.params.scale_mode",
-    ("training", "muon_extra_scale_factor"): "optimizer.params.extra_scale_factor",
+    ("training", "muon_momentum"): _muon_key("momentum"),
+    ("training", "muon_nesterov"): _muon_key("nesterov"),
+    ("training", "muon_num_ns_steps"): _muon_key("ns_steps"),
+    ("training", "muon_scale_mode"): _muon_key("scale_mode"),
+    ("training", "muon_extra_scale_factor"): _muon_key("extra_scale_factor"),
     ("training", "clip_grad"): "gradient_clipping",
     ("training", "bf16"): _precision("bf16", "fp16"),
     ("training", "fp16"): _precision("fp16", "bf16"),
@@ -446,7 +461,8 @@ class RunConfig(RunSection):
         sections["data"] = self.data.checked()
         for (section, name), target in ENGINE_KEYS.items():
             value = getattr(sections[section], name)
-            if value is None or value is False:
+            # a store-true flag (default False) sets its key only when given; an optional bool's False is a value
+            if value is None or (value is False and type(sections[section]).model_fields[name].default is False):
                 continue
             before = copy.deepcopy(engine)
             key = target(engine, value) if callable(target) else target

@@ -151,6 +151,6 @@ def build_orthogonalizer(state, tp_group, orthogonalize):
     if isinstance(state, ExpertParallelState):
         return ExpertParallelMatrices([build_orthogonalizer(s, tp_group, orthogonalize)
                                        for s in (state.dense, state.expert) if s is not None])
-    raise ValueError(f"Muon with {type(state).__name__}: its update orthogonalises whole matrices, which "
-                     f"zero_optimization.offload_optimizer (sub-groups stepped one by one, from host memory or "
-                     f"nvme) does not assemble; use ZeRO stages 0-3 without offload_optimizer, or AdamW")
+    raise ValueError(f"Muon with zero_optimization.offload_optimizer ({type(state).__name__}): Muon's update "
+                     f"orthogonalises whole matrices, and offload steps sub-groups one by one from host memory or "
+                     f"nvme; use ZeRO stages 0-3 without offload_optimizer, or AdamW")

@@ -68,19 +68,21 @@ def test_megatron_flags_set_their_fields_and_engine_keys_and_the_printed_config_
     assert rerun.engine == run.engine and not rerun.engine_notes
 
 
-def test_optimizer_muon_keeps_lr_and_moves_adams_keys_to_its_adamw_part():
+def test_optimizer_muon_makes_the_adam_block_its_adamw_part():
     run = _parse("--optimizer", "muon", "--lr", "0.02", "--adam-beta2", "0.98", "--adam-eps", "1e-9",
-                 "--muon-momentum", "0.9", "--muon-no-nesterov", "--muon-scale-mode", "spectral",
+                 "--muon-momentum", "0.9", "--muon-nesterov", "False", "--muon-scale-mode", "spectral",
                  "--muon-extra-scale-factor", "0.2", "--muon-num-ns-steps", "6")
     optimizer = run.engine["optimizer"]
     assert optimizer["type"] == "Muon"
-    # the recipe JSON's AdamW block: lr and weight_decay are Muon's, betas and eps its AdamW part's
-    assert optimizer["params"] == {"lr": 0.02, "weight_decay": 0.1, "adamw_betas": [0.9, 0.98], "adamw_eps": 1e-9,
-                                   "momentum": 0.9, "nesterov": False, "scale_mode": "spectral",
-                                   "extra_scale_factor": 0.2, "ns_steps": 6}
+    # the recipe JSON's AdamW block becomes Muon's AdamW part; --lr is Muon's own
+    assert optimizer["params"] == {"lr": 0.02, "adamw_lr": 0.001, "adamw_weight_decay": 0.1,
+                                   "adamw_betas": [0.9, 0.98], "adamw_eps": 1e-9, "momentum": 0.9, "nesterov": False,
+                                   "scale_mode": "spectral", "extra_scale_factor": 0.2, "ns_steps": 6}
     assert run.engine_config().optimizer.type == "Muon"  # and the engine accepts it
     assert any("optimizer.type = \"Muon\" from --optimizer" in note for note in run.engine_notes)
     assert _parse("--optimizer", "adam").engine["optimizer"]["type"] == "AdamW"
+    with pytest.raises(SystemExit, match="--muon-scale-mode sets a Muon option.*add --optimizer muon"):
+        _parse("--muon-scale-mode", "spectral")
 
 
 def test_one_setting_in_two_spellings_is_an_error_naming_both(capsys):
