@@ -1,13 +1,15 @@
 """The Llama recipe with --context-parallel-size 2 (ring and all-to-all) on 2 gloo ranks logs the
 losses of --context-parallel-size 1 (the same global batch: DP 2 there, CP 2 here), with dropout
 0.1 on layout-invariant masks (an engine JSON with dropout_masks.layout_invariant), names CP in
-its header, and its checkpoint continues at CP 1 exactly as the CP 1 checkpoint does."""
+its header, and its checkpoint continues at CP 1 exactly as the CP 1 checkpoint does (and generates
+text in one process)."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -52,9 +54,12 @@ def test_context_parallel_recipe_logs_the_cp1_losses_and_its_checkpoint_continue
     assert len(reference) == 4
     for name in ("p2p", "a2a"):
         assert _losses(tmp_path, name) == pytest.approx(reference, rel=1e-5)
-    # both checkpoints continue at CP 1: the same next losses
-    resumed = finish(*(_llama(tmp_path, f"resume_{name}", "--train-iters", "6", "--load", str(tmp_path / name))
-                       for name in ("cp1", "p2p")))
+    # both checkpoints continue at CP 1: the same next losses; the CP 2 one generates in one process
+    generate = start([sys.executable, os.path.join(REPO, "scripts", "generate.py"), "--load", str(tmp_path / "p2p"),
+                      "--prompt", "ROMEO:", "--max-new-tokens", "4"], tmp_path)
+    *resumed, generated = finish(*(_llama(tmp_path, f"resume_{name}", "--train-iters", "6", "--load",
+                                          str(tmp_path / name)) for name in ("cp1", "p2p")), generate)
     for out in resumed:
         assert "resumed from" in out, out
+    assert "ROMEO:" in generated, generated[-2000:]
     assert _losses(tmp_path, "resume_p2p") == pytest.approx(_losses(tmp_path, "resume_cp1"), rel=1e-5)
