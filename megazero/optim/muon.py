@@ -129,7 +129,9 @@ class WholeMatrixOptimizer(Protocol):
 
 class Muon(torch.optim.Optimizer):
     """Muon on the param groups with `use_muon` true, AdamW on the others (see the module doc).
-    State per parameter: Muon's `momentum_buffer`; AdamW's `step`, `exp_avg`, `exp_avg_sq`."""
+    State per parameter: Muon's `momentum_buffer`; AdamW's `step`, `exp_avg`, `exp_avg_sq`.
+    `adamw_params` is taken with the config's other keys but read before the optimizer exists: the
+    engine splits the groups by it (muon_param_groups)."""
 
     def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
                  ns_dtype: str = "bfloat16", scale_mode: str = "shape", extra_scale_factor: float = 1.0,
