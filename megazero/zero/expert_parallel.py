@@ -12,10 +12,15 @@ all-to-all's backward, the contributions of all EP ranks' tokens; the expert-DP 
 together have seen every DP rank's tokens once. So expert gradients are summed over the
 expert-DP group and divided by the whole DP size (not DP / EP), as Megatron core does.
 
-ZeRO 1-2 partition each state over its own group (separate flat layouts and buckets); ZeRO-3 is
-refused (it would gather an expert over ranks that hold other experts). The gradient norm (clip
-and overflow) counts each parameter once: the dense state's squared norm plus the expert state's
-summed over the EP group, then over the model-parallel group as usual.
+ZeRO 1-3 partition each state over its own group (separate flat layouts and buckets), so an
+expert is never gathered over ranks that hold other experts. At ZeRO-3 both states are
+ShardedStates over the same model: the expert modules' units belong to the expert state (gathered
+over the expert-DP group, prefetched in the order of the expert units), the rest to the dense one,
+and one UnitHooks over both states' units fetches each unit through its own state's fetcher.
+Optimizer offload wraps each state in its own OffloadedState (its own swap files and sub-groups);
+the optimizer the engine steps steps both (OffloadedOptimizer over the two). The gradient norm
+(clip and overflow) counts each parameter once: the dense state's squared norm plus the expert
+state's summed over the EP group, then over the model-parallel group as usual.
 
 Checkpoints (format `expert_parallel`): every data-parallel rank writes its file, holding both
 states' own state_dict()s and the weights of replicated states; the model file holds no
@@ -27,6 +32,7 @@ checkpoint loads at any EP size.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Any
@@ -36,6 +42,7 @@ import torch.distributed as dist
 
 from megazero.distributed import all_reduce_sum
 from megazero.model_contract import is_expert_parameter
+from megazero.zero.offload import OffloadedOptimizer
 from megazero.zero.protocol import (
     DataParallelState,
     ExportedParameterStates,
@@ -183,8 +190,10 @@ class ExpertParallelState:
         return out
 
     def optimizer_to_step(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """`optimizer` itself: it steps the masters where they are."""
-        return optimizer
+        """`optimizer` itself, where both states keep their masters in memory; with optimizer offload,
+        one OffloadedOptimizer stepping both states' sub-groups."""
+        offloaded = [o for o in (s.optimizer_to_step(optimizer) for s in self._states) if o is not optimizer]
+        return OffloadedOptimizer.joined(optimizer, offloaded) if offloaded else optimizer
 
     def begin_micro_step(self, boundary: bool) -> None:
         """Both states."""
@@ -275,7 +284,17 @@ class ExpertParallelState:
 
     @contextmanager
     def gathered(self, params: list[torch.nn.Parameter]):
-        """Expert parameters among `params` hold all E experts inside (all-gathered over the EP group)."""
+        """`params` whole inside: each state's gathered() (ZeRO-3: their units), then the expert
+        parameters among them hold all E experts (all-gathered over the EP group)."""
+        with contextlib.ExitStack() as stack:
+            for state, expert in ((self.dense, False), (self.expert, True)):
+                if state is not None:
+                    stack.enter_context(state.gathered([p for p in params if is_expert_parameter(p) == expert]))
+            with self._all_experts(params):
+                yield
+
+    @contextmanager
+    def _all_experts(self, params: list[torch.nn.Parameter]):
         experts = [p for p in params if is_expert_parameter(p)] if self.ep_size > 1 else []
         local = [p.data for p in experts]
         try:

@@ -1,7 +1,8 @@
 """The one place that builds a data-parallel state: ZeRO stage x experts x offload.
 
     stage 0 -> ReplicatedState      stages 1, 2 -> PartitionedState      stage 3 -> ShardedState
-    expert (MoE) parameters       -> ExpertParallelState (a dense and an expert state inside)
+    expert (MoE) parameters       -> ExpertParallelState (a dense and an expert state inside, each
+                                     of the stage and offloaded as above)
     offload_param (stage 3)       -> a ParamSwapper handed to the ShardedState
     offload_optimizer (stages 1-3)-> the state wrapped in an OffloadedState
 
@@ -24,6 +25,7 @@ from megazero.zero.partitioned import PartitionedState
 from megazero.zero.protocol import DataParallelState, PartitionedMasters
 from megazero.zero.replicated import ReplicatedState
 from megazero.zero.sharded import ShardedState
+from megazero.zero.unit_hooks import UnitHooks
 
 
 def build_data_parallel_state(config: EngineConfig, model: torch.nn.Module, groups: list[list[torch.nn.Parameter]],
@@ -38,17 +40,23 @@ def build_data_parallel_state(config: EngineConfig, model: torch.nn.Module, grou
     `dp_group`, its experts over `expert_dp_group` (the EP group `ep_group`; None: EP = 1)."""
     zero = config.zero_optimization
     if any(is_expert_parameter(p) for g in groups for p in g):
-        return _expert_parallel(zero, model, groups, dp_group, ep_group, expert_dp_group, isolate)
-    if zero.stage == 3:
-        param_swap = make_param_swapper(config, model, dp_group)
-        state = ShardedState(model, groups, dp_group, zero.stage3_param_persistence_threshold,
-                             zero.stage3_prefetch_bucket_size, zero.reduce_bucket_size, zero.overlap_comm,
-                             zero.stage3_module_granularity_threshold, param_swap,
-                             defer_masters=param_swap is not None and zero.offload_optimizer.device == "nvme",
-                             swap_grads=zero.offload_optimizer.device == "nvme", averaging=GradientAveraging.of(zero))
-    else:
-        state = _in_memory(zero, groups, dp_group, isolate)
+        return _expert_parallel(config, model, groups, dp_group, ep_group, expert_dp_group, isolate)
+    state = _sharded(config, model, groups, dp_group) if zero.stage == 3 else _in_memory(zero, groups, dp_group,
+                                                                                           isolate)
     return _offloaded(config, state, dp_group) if zero.stage > 0 else state
+
+
+def _sharded(config: EngineConfig, model: torch.nn.Module, groups: list[list[torch.nn.Parameter]], group,
+             grad_divisor: int | None = None, install_hooks: bool = True) -> ShardedState:
+    """Stage 3 over `groups` on `group`, its partitions in swap files with `offload_param`."""
+    zero = config.zero_optimization
+    param_swap = make_param_swapper(config, model, group)
+    return ShardedState(model, groups, group, zero.stage3_param_persistence_threshold,
+                        zero.stage3_prefetch_bucket_size, zero.reduce_bucket_size, zero.overlap_comm,
+                        zero.stage3_module_granularity_threshold, param_swap,
+                        defer_masters=param_swap is not None and zero.offload_optimizer.device == "nvme",
+                        swap_grads=zero.offload_optimizer.device == "nvme", averaging=GradientAveraging.of(zero),
+                        grad_divisor=grad_divisor, install_hooks=install_hooks)
 
 
 def _in_memory(zero: ZeroConfig, groups: list[list[torch.nn.Parameter]], group, isolate: list[torch.nn.Parameter],
@@ -63,21 +71,25 @@ def _in_memory(zero: ZeroConfig, groups: list[list[torch.nn.Parameter]], group, 
                             grad_divisor=grad_divisor, averaging=averaging, gathering=ParameterGathering.of(zero))
 
 
-def _expert_parallel(zero: ZeroConfig, model: torch.nn.Module, groups: list[list[torch.nn.Parameter]], dp_group,
-                     ep_group, expert_dp_group, isolate: list[torch.nn.Parameter]) -> ExpertParallelState:
-    """The state of a model with expert parameters; ValueError for what expert parallelism does not
-    support, naming the first expert parameter."""
-    first = next(name for name, p in model.named_parameters() if is_expert_parameter(p))
-    if zero.stage == 3:
-        raise ValueError(f"zero_optimization.stage 3 with expert parameters (the first: {first}) is not supported: "
-                         f"ZeRO-3 partitions every parameter over the whole data-parallel group, but an expert "
-                         f"parameter holds different experts on each expert-parallel rank; use stage 0, 1 or 2")
-    if zero.offload_optimizer.device != "none":
-        raise ValueError(f"zero_optimization.offload_optimizer with expert parameters (the first: {first}) is not "
-                         f"supported; set offload_optimizer.device to none")
-    return ExpertParallelState(groups, zero.stage, dp_group, ep_group, expert_dp_group,
-                               lambda params, group, divisor, tied: _in_memory(zero, params, group, tied, divisor),
-                               isolate)
+def _expert_parallel(config: EngineConfig, model: torch.nn.Module, groups: list[list[torch.nn.Parameter]],
+                     dp_group, ep_group, expert_dp_group, isolate: list[torch.nn.Parameter]) -> ExpertParallelState:
+    """The state of a model with expert parameters: a dense and an expert state of the configured
+    stage, each offloaded on its own; at stage 3 one UnitHooks over both states' units."""
+    zero = config.zero_optimization
+    sharded: list[ShardedState] = []
+
+    def build(params, group, divisor, tied):
+        if zero.stage == 3:
+            inner = _sharded(config, model, params, group, divisor, install_hooks=False)
+            sharded.append(inner)
+        else:
+            inner = _in_memory(zero, params, group, tied, divisor)
+        return _offloaded(config, inner, group) if zero.stage > 0 else inner
+
+    state = ExpertParallelState(groups, zero.stage, dp_group, ep_group, expert_dp_group, build, isolate)
+    if sharded:
+        UnitHooks(model, [unit for s in sharded for unit in s.units])
+    return state
 
 
 def _offloaded(config: EngineConfig, state: PartitionedMasters, group) -> DataParallelState:

@@ -107,14 +107,17 @@ def _remote_config(remote_device: str | None, config) -> tuple[str | None, str |
 
 
 def _shard_param(p: torch.nn.Parameter, group, device: torch.device | None = None,
-                 swap: _InitSwap | None = None) -> None:
+                 swap: _InitSwap | None = None, expert_group=None) -> None:
     """Keep this rank's chunk of `p` (padded to a multiple of the world size) on `device` (None:
-    p's own), or in a swap file (`swap`); p becomes an empty tensor there."""
+    p's own), or in a swap file (`swap`); p becomes an empty tensor there. An expert parameter is
+    partitioned over `expert_group` (the ranks that hold the same experts), the rest over `group`."""
     if hasattr(p, "_megazero_init_chunk") or hasattr(p, "_megazero_init_swap"):
         return
+    if is_expert_parameter(p):
+        group = expert_group
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    if not is_expert_parameter(p):  # every rank keeps its slice of the same parameter: rank 0's
-        broadcast_from_first_rank([p.data], group if group is not None else dist.group.WORLD)
+    # every rank keeps its slice of the same parameter: the group's first rank's
+    broadcast_from_first_rank([p.data], group if group is not None else dist.group.WORLD)
     device = p.device if device is None else device
     chunk = -(-p.numel() // world)
     # only this rank's slice is copied: no padded copy of the whole parameter, even for a moment
@@ -130,9 +133,10 @@ def _shard_param(p: torch.nn.Parameter, group, device: torch.device | None = Non
     p.data = torch.empty(0, dtype=p.dtype, device=device)
 
 
-def materialize_init_shard(p: torch.nn.Parameter, group) -> None:
-    """Make a parameter partitioned by Init whole again (all-gather its chunks) on the device and in
-    the dtype the (empty) parameter has now: Init's, or wherever the model was moved since."""
+def materialize_init_shard(p: torch.nn.Parameter) -> None:
+    """Make a parameter partitioned by Init whole again (all-gather its chunks over the group Init
+    cut them for) on the device and in the dtype the (empty) parameter has now: Init's, or wherever
+    the model was moved since."""
     chunk = getattr(p, "_megazero_init_chunk", None)
     swapped = getattr(p, "_megazero_init_swap", None)
     if swapped is not None:
@@ -141,7 +145,7 @@ def materialize_init_shard(p: torch.nn.Parameter, group) -> None:
         del p._megazero_init_swap
     if chunk is None:
         return
-    shape = p._megazero_init_shape
+    shape, group = p._megazero_init_shape, p._megazero_init_group
     device = p.device
     if dist.get_backend(group) == "nccl" and device.type != "cuda":
         raise RuntimeError(f"zero.Init: a parameter of shape {tuple(shape)} is on {device}, but its NCCL group "
@@ -161,11 +165,14 @@ class Init:
     """Context manager: modules built inside are partitioned over `data_parallel_group` as they are
     built, each rank's chunks on `device` (default: see partition_device; `self.device` once entered),
     or with `remote_device` 'nvme' (or `config_dict_or_path` saying offload_param nvme) in swap files
-    under the config's offload_param.nvme_path."""
+    under the config's offload_param.nvme_path. Expert (MoE) parameters are partitioned over
+    `expert_data_parallel_group` (default: megazero.parallel_state's, once a grid is initialised;
+    else `data_parallel_group`), the group the engine's expert state partitions them over."""
 
     def __init__(self, data_parallel_group=None, enabled: bool = True, device: torch.device | str | None = None,
-                 remote_device: str | None = None, config_dict_or_path=None):
+                 remote_device: str | None = None, config_dict_or_path=None, expert_data_parallel_group=None):
         self.group = data_parallel_group
+        self.expert_group = expert_data_parallel_group
         self.remote_device, self._nvme_path, self._aio = _remote_config(remote_device, config_dict_or_path)
         self.swap: _InitSwap | None = None
         self.enabled = enabled
@@ -180,6 +187,11 @@ class Init:
         if not dist.is_initialized():
             raise RuntimeError("zero.Init needs torch.distributed initialised (megazero.init_distributed())")
         self.device = partition_device(dist.get_backend(self.group), self.requested_device)
+        if self.expert_group is None:
+            from megazero import parallel_state
+
+            self.expert_group = (parallel_state.get_expert_data_parallel_group()
+                                 if parallel_state.model_parallel_is_initialized() else self.group)
         if self.remote_device == "nvme":
             self.swap = _InitSwap(self._nvme_path, self.group, self._aio)
         for cls in _all_subclasses(torch.nn.Module):
@@ -201,7 +213,7 @@ class Init:
             if depth == 0:  # the most-derived __init__ is done: partition the children's subtrees
                 for child in module.children():
                     for p in child.parameters():
-                        _shard_param(p, self.group, self.device, self.swap)
+                        _shard_param(p, self.group, self.device, self.swap, self.expert_group)
                 self._built.append(module)
         return init
 
@@ -212,7 +224,7 @@ class Init:
         if exc[0] is None:
             for module in self._built:  # the outermost modules' own parameters
                 for p in module.parameters():
-                    _shard_param(p, self.group, self.device, self.swap)
+                    _shard_param(p, self.group, self.device, self.swap, self.expert_group)
         self._built.clear()
         self.swap = None  # the parameters keep it (their files) until the engine has read every chunk
 

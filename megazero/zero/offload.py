@@ -465,7 +465,7 @@ class OffloadedState:
 
     def optimizer_to_step(self, optimizer: torch.optim.Optimizer) -> OffloadedOptimizer:
         """An OffloadedOptimizer: `optimizer` stepped sub-group by sub-group."""
-        return OffloadedOptimizer(optimizer, self)
+        return OffloadedOptimizer(optimizer, [self])
 
     def begin_micro_step(self, boundary: bool) -> None:
         """As the wrapped state."""
@@ -481,11 +481,15 @@ class OffloadedState:
         if self.grads is not None:
             self.grads.flush()
 
-    def grad_norm(self, counted=None, model_parallel_group=None) -> float:
+    def grad_norm_squared(self, counted=None) -> torch.Tensor:
         """As the wrapped state (swapped gradients: from the norms taken as they were written)."""
         if self.grads is None:
-            return self.inner.grad_norm(counted, model_parallel_group)
-        total = self.grads.norm_squared(self.inner.group, counted)
+            return self.inner.grad_norm_squared(counted)
+        return self.grads.norm_squared(self.inner.group, counted)
+
+    def grad_norm(self, counted=None, model_parallel_group=None) -> float:
+        """As the wrapped state (swapped gradients: from the norms taken as they were written)."""
+        total = self.grad_norm_squared(counted)
         if model_parallel_group is not None:
             total = all_reduce_sum(total, group=model_parallel_group)
         return total.item() ** 0.5
@@ -596,19 +600,26 @@ class OffloadedState:
 
 class OffloadedOptimizer(torch.optim.Optimizer):
     """The optimizer the engine steps when the optimizer is offloaded: `inner` (the real one, over
-    the masters) stepped sub-group by sub-group by `state`. param_groups, state and state_dict()
+    the masters) stepped sub-group by sub-group by each of `states` in turn (one, or an
+    expert-parallel model's two: each holds its own masters). param_groups, state and state_dict()
     are `inner`'s (state_dict with everything resident)."""
 
-    def __init__(self, inner: torch.optim.Optimizer, state: OffloadedState):
+    def __init__(self, inner: torch.optim.Optimizer, states: list[OffloadedState]):
         # no Optimizer.__init__: the groups and states are inner's own
         self.inner = inner
-        self.offload = state
-        state.optimizer = inner
+        self.offloads = list(states)
+        for state in self.offloads:
+            state.optimizer = inner
         self.defaults = inner.defaults
         self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
         self._takes_scale = takes_grad_scale(inner)
         if self._takes_scale:  # a GradScaleTaker only then: the engine hands it the divisor
             self.grad_scale = None
+
+    @classmethod
+    def joined(cls, inner: torch.optim.Optimizer, optimizers: list[OffloadedOptimizer]) -> OffloadedOptimizer:
+        """One OffloadedOptimizer stepping `inner` through the states of all of `optimizers`."""
+        return cls(inner, [state for o in optimizers for state in o.offloads])
 
     @property
     def param_groups(self) -> list[dict]:
@@ -630,13 +641,15 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         by_inner = writes_copies(self.inner) and all(c.device.type == "cpu" for c in copies.values())
         if by_inner:
             self.inner.set_copy_targets(copies)
-        self.offload.set_copy_targets(copies, by_optimizer=by_inner)
+        for state in self.offloads:  # (each looks up its own masters' copies)
+            state.set_copy_targets(copies, by_optimizer=by_inner)
 
     @torch.no_grad()
     def step(self, closure=None):
         """One update of every master, sub-group by sub-group."""
         loss = closure() if closure is not None else None
-        self.offload.step(self.inner, self.grad_scale if self._takes_scale else None)
+        for state in self.offloads:
+            state.step(self.inner, self.grad_scale if self._takes_scale else None)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -645,10 +658,17 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         """inner's, with every state resident."""
-        with self.offload.resident(dirty=False):
+        with self._resident(dirty=False):
             return self.inner.state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
         """inner's, resident; written back to the swap files after."""
-        with self.offload.resident():
+        with self._resident():
             self.inner.load_state_dict(state_dict)
+
+    @contextlib.contextmanager
+    def _resident(self, dirty: bool = True):
+        with contextlib.ExitStack() as stack:
+            for state in self.offloads:
+                stack.enter_context(state.resident(dirty=dirty))
+            yield

@@ -45,7 +45,7 @@ def _unpack(packed):
         return packed
     full = packed.shard.full
     if full is None:
-        shapes = [tuple(p.shape) for p in packed.shard.layout.shapes.values()]
+        shapes = [tuple(shape) for shape in packed.shard.layout.shapes.values()]
         raise RuntimeError(f"ZeRO-3: backward needs a saved view of the parameters {shapes} but their unit is not "
                            f"gathered (it is fetched when the gradient of its output arrives)")
     return full.as_strided(packed.size, packed.stride, packed.offset)

@@ -92,14 +92,16 @@ def _slices(piece: _Piece, param: torch.nn.Parameter, columns: int) -> list[tupl
 
 class ShardedGradients:
     """Collects the gradients of every shard's parameters into reduce buckets and reduce-scatters
-    them into the shards' gradient partitions (`shard.grad_views[bucket.index]`)."""
+    them into the shards' gradient partitions (`shard.grad_views[bucket.index]`); the sums are
+    divided by `divisor` in all (None: the group's size)."""
 
     def __init__(self, shards_in_backward_order: list, bucket_numel: int, group, world_size: int, rank: int,
                  overlap: bool, device, inflight: InflightLimit | None = None,
-                 averaging: GradientAveraging = AVERAGE_THEN_SUM):
+                 averaging: GradientAveraging = AVERAGE_THEN_SUM, divisor: int | None = None):
         self.group = group
         self.world_size = world_size
-        self.before, self.after = averaging.before(world_size), averaging.after(world_size)
+        divisor = world_size if divisor is None else divisor  # (expert parameters: the whole DP size)
+        self.before, self.after = averaging.before(divisor), averaging.after(divisor)
         self.rank = rank
         self.overlap = overlap
         self.buckets = plan_reduce_buckets(shards_in_backward_order, bucket_numel, world_size)

@@ -210,7 +210,9 @@ class _Shard:
 
 class ShardedState(MasterPartitions, PartitionCheckpoint):
     """ZeRO stage 3 over the optimizer's param groups (a megazero.zero.protocol.DataParallelState;
-    checkpoints in the flat_partitions format, the parameters in it: the model file holds none)."""
+    checkpoints in the flat_partitions format, the parameters in it: the model file holds none).
+    `grad_divisor`: what the summed gradients are divided by (None: the group's size);
+    `install_hooks` False: the caller installs the UnitHooks over these units (with others')."""
 
     stage = 3
     params_partitioned = True
@@ -220,7 +222,8 @@ class ShardedState(MasterPartitions, PartitionCheckpoint):
                  persistence_threshold: int, prefetch_numel: int = 50_000_000,
                  bucket_numel: int = 500_000_000, overlap: bool = True, granularity_threshold: int = 0,
                  param_swap=None, defer_masters: bool = False, swap_grads: bool = False,
-                 averaging: GradientAveraging = AVERAGE_THEN_SUM):
+                 averaging: GradientAveraging = AVERAGE_THEN_SUM, grad_divisor: int | None = None,
+                 install_hooks: bool = True):
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.bucket_numel = bucket_numel
@@ -233,7 +236,7 @@ class ShardedState(MasterPartitions, PartitionCheckpoint):
             for gi in range(len(groups)):
                 mine = [p for p in plan.params if group_of.get(id(p)) == gi]
                 for p in mine:  # built under zero.Init: whole again, one unit at a time
-                    materialize_init_shard(p, group)
+                    materialize_init_shard(p)
                 # as in DeepSpeed, parameters under the threshold stay whole (biases, norms: tiny
                 # tensors whose gathers would cost more in latency than they save in memory)
                 whole = [p for p in mine if p.numel() < persistence_threshold]
@@ -262,9 +265,11 @@ class ShardedState(MasterPartitions, PartitionCheckpoint):
         backward_order = [s for u in reversed(self.units) for s in u.shards]
         device = self.parts[0].device if self.parts else torch.device("cpu")
         self.grads = ShardedGradients(backward_order, bucket_numel, group, self.world_size, dist.get_rank(group),
-                                      overlap, device, InflightLimit(), averaging)
-        # after the gradient hooks: a unit is released once its gradients are copied
-        self.hooks = UnitHooks(model, self.units, self.fetcher)
+                                      overlap, device, InflightLimit(), averaging, grad_divisor)
+        # after the gradient hooks: a unit is released once its gradients are copied. (A model with
+        # two states, experts and the rest, gets one UnitHooks over both: megazero.zero.factory.)
+        if install_hooks:
+            UnitHooks(model, self.units)
         if param_swap is not None:
             param_swap.reset_peak()
 

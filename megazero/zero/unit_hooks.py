@@ -2,9 +2,10 @@
 
 - Forward: a unit is fetched just before its module's forward (and, once the first step has shown
   the order, the next unit's gather is started), and released after it. With grad enabled, a hook
-  on each output fetches it again when the gradient of that output arrives, just before its
-  backward (and starts the previous unit's gather); it is released once every one of its
-  parameters' gradients has been accumulated (they are then in the reduce buckets).
+  on each output tensor (in a list, tuple, dict or dataclass too) fetches it again when the
+  gradient of that output arrives, just before its backward (and starts the previous unit's
+  gather); it is released once every one of its parameters' gradients has been accumulated (they
+  are then in the reduce buckets).
 - Recomputation inside backward (activation checkpointing): the unit stays whole until its
   gradients are in.
 - External use: a parameter read as `module.weight` while its unit is not whole, inside any forward
@@ -24,9 +25,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from megazero.zero.fetch import Unit, UnitFetcher
+from megazero.zero.fetch import Unit
 from megazero.zero.saved_views import saved_parameter_views
 
 
@@ -47,10 +50,12 @@ class _UnitParameters(dict):
 
 
 class UnitHooks:
-    """Installs the hooks on `model` (every module of it) for `units`, through `fetcher`."""
+    """Installs the hooks on `model` (every module of it) for `units`, each fetched and released
+    through its own fetcher (`unit.fetcher`: one per data-parallel state, so that the units of an
+    expert-parallel model's two states share these hooks)."""
 
-    def __init__(self, model: torch.nn.Module, units: list[Unit], fetcher: UnitFetcher):
-        self.fetcher = fetcher
+    def __init__(self, model: torch.nn.Module, units: list[Unit]):
+        self.units = units
         self.forward_depth = 0  # module forwards of this model running now
         self._model = model
         self._saved_views = None  # the saved-tensor hooks, entered while a forward of the model runs
@@ -80,25 +85,25 @@ class UnitHooks:
             self._saved_views.__exit__(None, None, None)
             self._saved_views = None
         if module is self._model and self.forward_depth == 0 and not torch.is_grad_enabled():
-            for unit in self.fetcher.units:  # no backward follows: free what external reads held
+            for unit in self.units:  # no backward follows: free what external reads held
                 if unit.held:
-                    self.fetcher.release(unit)
+                    unit.fetcher.release(unit)
 
     def fetch_external(self, unit: Unit) -> None:
         """A parameter of `unit` is read outside the unit's forward: fetch and hold it."""
-        self.fetcher.fetch(unit)
+        unit.fetcher.fetch(unit)
         unit.held = True
         if torch.is_grad_enabled() and unit.grads_pending <= 0:
             unit.grads_pending = unit.num_params
 
     def _before_forward(self, unit: Unit) -> None:
-        self.fetcher.fetch(unit)
-        self.fetcher.record(unit)
-        self.fetcher.prefetch_next(unit, +1)  # the next unit's gather overlaps this one's forward
+        unit.fetcher.fetch(unit)
+        unit.fetcher.record(unit)
+        unit.fetcher.prefetch_next(unit, +1)  # the next unit's gather overlaps this one's forward
 
     def _before_backward(self, unit: Unit) -> None:
-        self.fetcher.fetch(unit)
-        self.fetcher.prefetch_next(unit, -1)  # backward runs the units in reverse
+        unit.fetcher.fetch(unit)
+        unit.fetcher.prefetch_next(unit, -1)  # backward runs the units in reverse
 
     def _after_forward(self, unit: Unit, output) -> None:
         if torch._C._current_autograd_node() is not None:
@@ -108,12 +113,12 @@ class UnitHooks:
             return
         if not torch.is_grad_enabled():
             if not unit.held:
-                self.fetcher.release(unit)
+                unit.fetcher.release(unit)
             return
         unit.grads_pending = unit.num_params
         if unit.held:
             return  # read outside its forward too: whole until its gradients are in
-        self.fetcher.release(unit)
+        unit.fetcher.release(unit)
         for tensor in _tensors(output):
             if tensor.requires_grad:
                 tensor.register_hook(lambda grad, unit=unit: self._before_backward(unit))
@@ -121,7 +126,7 @@ class UnitHooks:
     def _grad_arrived(self, unit: Unit) -> None:
         unit.grads_pending -= 1
         if unit.grads_pending == 0:
-            self.fetcher.release(unit)
+            unit.fetcher.release(unit)
 
 
 def _tensors(output):
@@ -133,3 +138,6 @@ def _tensors(output):
     elif isinstance(output, dict):
         for item in output.values():
             yield from _tensors(item)
+    elif dataclasses.is_dataclass(output) and not isinstance(output, type):  # (e.g. the MoE router's Routing)
+        for f in dataclasses.fields(output):
+            yield from _tensors(getattr(output, f.name))

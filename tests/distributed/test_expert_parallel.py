@@ -1,5 +1,6 @@
-"""Expert parallelism in the engine: expert gradients over the expert-data-parallel group, ZeRO 1-2
-partitions over it, the global gradient norm, and checkpoints that load at another EP size.
+"""Expert parallelism in the engine: expert gradients over the expert-data-parallel group, ZeRO 1-3
+partitions over it (with optimizer and parameter offload to nvme), the global gradient norm, and
+checkpoints that load at another EP size and ZeRO stage.
 
 The model is a toy written here (the MoE layer is megazero.moe's): a dense layer, a router whose
 gate scales the expert output (so the router's gradient is real), E stacked expert matrices
@@ -95,18 +96,29 @@ def _global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return x, y, expert
 
 
-def _config(stage: int, micro: int) -> dict:
+def _config(stage: int, micro: int, nvme: str | None = None) -> dict:
+    """`nvme`: optimizer offload there (and, at stage 3, parameter offload too)."""
+    zero = {"stage": stage, "reduce_bucket_size": 200}  # several buckets
+    if stage == 3:  # every parameter partitioned (none kept whole), prefetched
+        zero.update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=10_000,
+                    stage3_gather_16bit_weights_on_model_save=True)
+    if nvme is not None:
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme, "buffer_count": 2}
+        zero["sub_group_size"] = 300  # several sub-groups per state
+        if stage == 3:
+            zero["offload_param"] = {"device": "nvme", "nvme_path": nvme, "buffer_count": 4, "buffer_size": 1024}
     return {"train_batch_size": BATCH, "train_micro_batch_size_per_gpu": micro,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
-            "gradient_clipping": CLIP, "steps_per_print": 1000,
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": 200}}  # several buckets
+            "gradient_clipping": CLIP, "steps_per_print": 1000, "zero_optimization": zero}
 
 
-def _engine(stage: int, ep: int | None, micro: int):
-    """ep None: no grid (the single process); else the grid with that EP size over the world."""
+def _engine(stage: int, ep: int | None, micro: int, nvme: str | None = None, init: bool = False):
+    """ep None: no grid (the single process); else the grid with that EP size over the world.
+    `init`: the model built under zero.Init (stage 3)."""
     grid = parallel_state.initialize_model_parallel(1, 1, ep) if ep is not None else None
-    model = ToyMoE(grid.ep_group if grid is not None else None)
-    engine, *_ = megazero.initialize(model=model, config=_config(stage, micro),
+    with megazero.zero.Init(enabled=init):
+        model = ToyMoE(grid.ep_group if grid is not None else None)
+    engine, *_ = megazero.initialize(model=model, config=_config(stage, micro, nvme),
                                      mpu=parallel_state if grid is not None else None)
     return engine
 
@@ -135,8 +147,18 @@ def _train(engine, steps: int, start: int = 0) -> dict:
 
 
 def _full_params(engine) -> dict[str, torch.Tensor]:
-    """The whole model: the experts of every EP rank joined in global order."""
-    out = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    """The whole model: the experts of every EP rank joined in global order (ZeRO-3: gathered by
+    hand, over the expert-DP group, then the EP group, not through the state)."""
+    out = {}
+    for name, p in engine.module.named_parameters():
+        shard = getattr(p, "_megazero_shard", None)
+        if shard is None:
+            out[name] = p.detach().clone()
+            continue
+        pieces = [torch.empty_like(shard.shard) for _ in range(shard.world_size)]
+        dist.all_gather(pieces, shard.shard, group=shard.group)
+        offset = shard.layout.offsets[p]
+        out[name] = torch.cat(pieces)[offset:offset + shard.layout.numels[p]].view(shard.layout.shapes[p]).clone()
     group = engine.module.ep_group
     if group is not None:
         pieces = [torch.empty_like(out["experts"]) for _ in range(dist.get_world_size(group))]
@@ -150,17 +172,26 @@ def run_reference() -> dict:
     return _train(_engine(0, None, BATCH), STEPS)
 
 
-def run_layouts(ep: int, micro: int) -> dict:
-    """ZeRO 0, 1, 2 at this EP size (DP = the world); stage 3 must refuse."""
+def _expert_partition_group(engine):
+    """The process group the expert parameters' ZeRO partitions are cut over."""
+    state = engine.dp.expert
+    return getattr(state, "inner", state).group
+
+
+def run_layouts(ep: int, micro: int, nvme: str) -> dict:
+    """ZeRO 0-3 at this EP size (DP = the world); stages 2 and 3 with offload to nvme (3: the
+    parameters too, the model built under zero.Init)."""
     out = {}
-    for stage in (0, 1, 2):
+    for stage in (0, 1, 2, 3):
         engine = _engine(stage, ep, micro)
         assert isinstance(engine.dp, DataParallelState) and engine.dp.stage == stage
         out[stage] = _train(engine, STEPS)
-    try:
-        _engine(3, ep, micro)
-    except ValueError as e:
-        out["stage3"] = str(e)
+        if stage == 3:  # experts over the expert-DP group, never gathered over another EP rank's
+            assert _expert_partition_group(engine) is parallel_state.get_expert_data_parallel_group()
+    for stage in (2, 3):
+        engine = _engine(stage, ep, micro, nvme=os.path.join(nvme, str(stage)), init=stage == 3)
+        assert type(engine.optimizer).__name__ == "OffloadedOptimizer" and len(engine.optimizer.offloads) == 2
+        out[f"{stage}_nvme"] = _train(engine, STEPS)
     return out
 
 
@@ -181,18 +212,17 @@ def reference(pools):
 
 
 @pytest.mark.parametrize("world_size, micro", [(2, 2), (4, 1)])  # 2 accumulated micro-batches per step
-def test_expert_parallel_matches_single_process(pools, reference, world_size, micro):
-    results = pools(world_size).run(run_layouts, 2, micro)
+def test_expert_parallel_matches_single_process(pools, reference, world_size, micro, tmp_path):
+    results = pools(world_size).run(run_layouts, 2, micro, str(tmp_path))
     for rank, result in enumerate(results):
-        for stage in (0, 1, 2):
+        for stage in (0, 1, 2, 3, "2_nvme", "3_nvme"):
             _assert_same_run(reference, result[stage], f"DP={world_size} EP=2 ZeRO-{stage} rank {rank}")
-        assert "stage 3 with expert parameters (the first: experts) is not supported" in result["stage3"]
 
 
-def run_checkpoint_recut(save_dir: str, stage: int) -> dict:
-    """Save at EP=2, load at EP=1 (and the same layout), save there, load at EP=2: each load
-    continues exactly as the run that saved it."""
-    a = _engine(stage, 2, 2)
+def run_checkpoint_recut(save_dir: str, stage: int, nvme: str | None) -> dict:
+    """Save at EP=2, load at EP=1 (and the same layout, and EP=1 at another ZeRO stage without
+    offload), save there, load at EP=2: each load continues exactly as the run that saved it."""
+    a = _engine(stage, 2, 2, nvme)
     saved = _train(a, 3)["params"]
     a.save_checkpoint(save_dir, "ep2")
     a.save_16bit_model(save_dir, "model.pt")  # the whole model: experts gathered over the EP group
@@ -201,29 +231,35 @@ def run_checkpoint_recut(save_dir: str, stage: int) -> dict:
         out["consolidated"] = consolidate_fp32_state_dict(save_dir, "ep2")  # all experts, global order
         out["16bit"] = torch.load(os.path.join(save_dir, "model.pt"), weights_only=True)
     out["a_next"] = _train(a, 2, start=3)
-    for name, ep in (("ep1", 1), ("ep2_again", 2)):
-        b = _engine(stage, ep, 2)
+    other = 1 if stage == 3 else 3
+    for name, ep, at_stage, offload in (("ep1", 1, stage, nvme), ("ep2_again", 2, stage, nvme),
+                                         (f"ep1_stage{other}", 1, other, None)):
+        b = _engine(at_stage, ep, 2, offload)
         b.load_checkpoint(save_dir, "ep2")
         out[name] = _train(b, 2, start=3)
-    b.save_checkpoint(save_dir, "ep2_again")  # b is at EP=2 here: save from EP=1 next
-    c = _engine(stage, 1, 2)
+        if name == "ep2_again":
+            b.save_checkpoint(save_dir, "ep2_again")  # b is at EP=2 here: save from EP=1 next
+    c = _engine(stage, 1, 2, nvme)
     c.load_checkpoint(save_dir, "ep2_again")
     c.save_checkpoint(save_dir, "ep1")
-    d = _engine(stage, 2, 2)
+    d = _engine(stage, 2, 2, nvme)
     d.load_checkpoint(save_dir, "ep1")
     out["ep1_to_ep2"] = _train(d, 1, start=5)
     out["c_next"] = _train(c, 1, start=5)
     return out
 
 
-@pytest.mark.parametrize("stage", [0, 2])
-def test_checkpoint_loads_at_another_ep_size(pools, tmp_path, stage):
-    results = pools(2).run(run_checkpoint_recut, str(tmp_path / "ckpt"), stage)
+@pytest.mark.parametrize("stage, world_size, nvme", [(0, 2, False), (2, 2, False), (3, 4, True)])
+def test_checkpoint_loads_at_another_ep_size(pools, tmp_path, stage, world_size, nvme):
+    """ZeRO-3 at EP=2 x expert-DP=2, its states on nvme: saved, loaded at EP 1 and 2 and at stage 1."""
+    results = pools(world_size).run(run_checkpoint_recut, str(tmp_path / "ckpt"), stage,
+                                    str(tmp_path / "nvme") if nvme else None)
     for name, whole in results[0]["saved"].items():
         assert whole.shape[0] == E or name != "experts"
         torch.testing.assert_close(results[0]["consolidated"][name], whole, rtol=0, atol=0, msg=name)
         torch.testing.assert_close(results[0]["16bit"][name], whole, rtol=0, atol=0, msg=name)
+    other = 1 if stage == 3 else 3
     for rank, result in enumerate(results):
-        for name in ("ep1", "ep2_again"):
+        for name in ("ep1", "ep2_again", f"ep1_stage{other}"):
             _assert_same_run(result["a_next"], result[name], f"ZeRO-{stage} EP=2 -> {name} rank {rank}")
         _assert_same_run(result["c_next"], result["ep1_to_ep2"], f"ZeRO-{stage} EP=1 -> EP=2 rank {rank}")

@@ -74,43 +74,73 @@ def test_interleaved_tp_pp_matches_single_process_with_dropout(pools, reference,
 MOE_VOCAB, MOE_SEQ, MOE_BATCH = 64, 16, 4
 
 
-def run_moe(ep: int | None, optimizer: dict | None = None) -> dict:
-    """The MoE GPT (4 experts, top-2, capacity factor 1.0, ZeRO 2, dropout 0.1) for 10 steps on this
-    DP rank's slice of each global batch; ep None: the single process, the whole batch. `optimizer`:
-    the engine config's block (default AdamW)."""
+def _moe_engine(ep: int | None, micro: int, optimizer: dict | None, zero: dict):
     grid = parallel_state.initialize_model_parallel(1, 1, ep) if ep is not None else None
     torch.manual_seed(0)
     model = parallelize(GPTConfig(vocab_size=MOE_VOCAB, seq_length=MOE_SEQ, num_layers=2, hidden_size=32,
                                   num_attention_heads=2, make_vocab_size_divisible_by=16, num_experts=4,
                                   moe_router_topk=2, moe_capacity_factor=1.0, dropout=P), grid)
-    dp = dist.get_world_size() if grid is not None else 1
-    config = {"train_batch_size": MOE_BATCH, "train_micro_batch_size_per_gpu": MOE_BATCH // dp,
+    config = {"train_batch_size": MOE_BATCH, "train_micro_batch_size_per_gpu": micro,
               "optimizer": optimizer or {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}},
-              "gradient_clipping": 1.0, "steps_per_print": 1000, "zero_optimization": {"stage": 2}, **INVARIANT}
+              "gradient_clipping": 1.0, "steps_per_print": 1000, "zero_optimization": zero, **INVARIANT}
     engine, *_ = megazero.initialize(model=model, config=config, mpu=parallel_state if grid is not None else None)
-    micro, rank = engine.train_micro_batch_size_per_gpu(), engine.dp_rank
-    losses, stats = [], []
-    for step in range(STEPS):
+    return engine
+
+
+def _moe_steps(engine, steps: range, losses: list, stats: list) -> None:
+    dp, micro, rank = engine.dp_world_size, engine.train_micro_batch_size_per_gpu(), engine.dp_rank
+    for step in steps:
         ids = torch.randint(0, MOE_VOCAB, (MOE_BATCH, MOE_SEQ + 1), generator=torch.Generator().manual_seed(step))
-        ids = ids[rank * micro:(rank + 1) * micro]
-        loss = engine(ids[:, :-1], labels=ids[:, 1:])
-        engine.backward(loss)
-        engine.step()
-        mean = loss.detach().clone()
+        total = torch.zeros(())
+        for m in range(engine.gradient_accumulation_steps()):  # micro-batch m of rank r: (m * dp + r) * micro on
+            at = slice((m * dp + rank) * micro, (m * dp + rank + 1) * micro)
+            loss = engine(ids[at, :-1], labels=ids[at, 1:])
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach() / engine.gradient_accumulation_steps()
         if dp > 1:
-            dist.all_reduce(mean, group=engine.dp_group)
-        losses.append(mean.item() / dp)
+            dist.all_reduce(total, group=engine.dp_group)
+        losses.append(total.item() / dp)
         stats.append(moe_stats(engine.module))
+
+
+def run_moe(ep: int | None, optimizer: dict | None = None, zero: dict | None = None, ep_groups: int = 1,
+            resume_dir: str | None = None) -> dict:
+    """The MoE GPT (4 experts, top-2, capacity factor 1.0, dropout 0.1) for 10 steps on this DP
+    rank's slice of each global batch; ep None: the single process, the global batch as `ep_groups`
+    micro-batches (one per EP group of the layout it stands for: the router of an EP group sees
+    its samples together). `optimizer`: the engine config's block (default AdamW); `zero`: its
+    zero_optimization (default stage 2); `resume_dir`: saved there after 5 steps and continued by
+    a new engine that loads it."""
+    dp = dist.get_world_size() if ep is not None else 1
+    micro = MOE_BATCH // dp if ep is not None else MOE_BATCH // ep_groups
+    zero = zero or {"stage": 2}
+    engine = _moe_engine(ep, micro, optimizer, zero)
+    losses, stats = [], []
+    if resume_dir is None:
+        _moe_steps(engine, range(STEPS), losses, stats)
+    else:
+        _moe_steps(engine, range(STEPS // 2), losses, stats)
+        engine.save_checkpoint(resume_dir, "half")
+        engine = _moe_engine(ep, micro, optimizer, zero)
+        engine.load_checkpoint(resume_dir, "half")
+        _moe_steps(engine, range(STEPS // 2, STEPS), losses, stats)
     group = engine.module.blocks[0].mlp.ep_group
     params = {}
-    for name, param in engine.module.named_parameters():
-        p = param.detach().clone()
-        if getattr(param, "megazero_expert", False) and group is not None:  # experts in global order
-            pieces = [torch.empty_like(p) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(pieces, p.contiguous(), group=group)
-            p = torch.cat(pieces)
-        params[name] = p
-    return {"losses": losses, "stats": stats, "params": params}
+    named = list(engine.module.named_parameters())
+    with megazero.zero.GatheredParameters([p for _, p in named]):  # (ZeRO-3: the units made whole)
+        for name, param in named:
+            p = param.detach().clone()
+            if getattr(param, "megazero_expert", False) and group is not None:  # experts in global order
+                pieces = [torch.empty_like(p) for _ in range(dist.get_world_size(group))]
+                dist.all_gather(pieces, p.contiguous(), group=group)
+                p = torch.cat(pieces)
+            params[name] = p
+    out = {"losses": losses, "stats": stats, "params": params}
+    if zero["stage"] == 3:  # the expert units' gathers started ahead of use
+        expert = engine.dp.expert
+        out["expert_prefetches"] = getattr(expert, "inner", expert).prefetches
+    return out
 
 
 def test_moe_expert_parallel_matches_single_process_with_dropout(pools):
@@ -121,6 +151,26 @@ def test_moe_expert_parallel_matches_single_process_with_dropout(pools):
         _assert_matches(reference, result, f"EP=2 rank {rank}")
         for step, (a, b) in enumerate(zip(reference["stats"], result["stats"])):
             assert a["dropped_fraction"] == b["dropped_fraction"], f"EP=2 rank {rank} step {step}: {a} vs {b}"
+
+
+ZERO3 = {"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 2000,
+         "stage3_prefetch_bucket_size": 100_000}
+
+
+def test_moe_zero3_ep2_dp2_with_nvme_offload_matches_single_process_and_resumes(pools, tmp_path):
+    """EP=2 x expert-DP=2 (4 ranks) at ZeRO-3, in memory and with optimizer and parameter offload to
+    nvme (saved after 5 steps, resumed by a new engine): the single process's run."""
+    reference = pools(1).run(run_moe, None, None, {"stage": 0}, 2)[0]
+    nvme = {**ZERO3, "sub_group_size": 5000,
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "nvme"), "buffer_count": 2},
+            "offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "nvme"), "buffer_count": 8,
+                              "buffer_size": 20_000}}
+    runs = {"ZeRO-3": pools(4).run(run_moe, 2, None, ZERO3),
+            "ZeRO-3 + nvme, resumed": pools(4).run(run_moe, 2, None, nvme, 1, str(tmp_path / "ckpt"))}
+    for what, results in runs.items():
+        for rank, result in enumerate(results):
+            _assert_matches(reference, result, f"EP=2 x DP=2 {what} rank {rank}")
+            assert result["expert_prefetches"] > 0, f"{what} rank {rank}: no expert unit was prefetched"
 
 
 # ---- the masks themselves (one process) ------------------------------------------------------------

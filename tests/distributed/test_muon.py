@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.test_layout_invariant_dropout import run_moe
+from tests.distributed.test_layout_invariant_dropout import ZERO3, run_moe
 from tests.training_helpers import FAMILY, base_config, train
 
 STEPS, LOSS_RTOL, PARAM_ATOL = 10, 1e-5, 2e-5
@@ -85,13 +85,15 @@ def test_muon_pipeline_and_tp_zero3_match_single_process(pools, references, toke
         _assert_matches(references("llama"), result, f"llama TP=2 x DP=2 ZeRO-3 rank {rank}")
 
 
-def test_muon_moe_expert_parallel_matches_single_process(pools):
-    """The MoE GPT (4 experts, capacity mode) at EP=2 on DP=2, ZeRO-2: each expert's matrix is
+@pytest.mark.parametrize("stage", [2, 3])
+def test_muon_moe_expert_parallel_matches_single_process(pools, stage):
+    """The MoE GPT (4 experts, capacity mode) at EP=2 on DP=2, ZeRO-2 and 3: each expert's matrix is
     orthogonalised alone on the rank holding it, the dense ones over the data-parallel group."""
     reference = pools(1).run(run_moe, None, MUON)[0]  # random tokens: the loss stays near ln(64)
-    for rank, result in enumerate(pools(2).run(run_moe, 2, MUON)):
+    zero = ZERO3 if stage == 3 else {"stage": 2}
+    for rank, result in enumerate(pools(2).run(run_moe, 2, MUON, zero)):
         for step, (a, b) in enumerate(zip(reference["losses"], result["losses"])):
-            assert abs(a - b) <= LOSS_RTOL * abs(a), f"EP=2 rank {rank} step {step}: loss {a} vs {b}"
+            assert abs(a - b) <= LOSS_RTOL * abs(a), f"EP=2 ZeRO-{stage} rank {rank} step {step}: loss {a} vs {b}"
         for name, value in reference["params"].items():
             diff = float((result["params"][name] - value).abs().max())
             bound = KEY_BIAS_BOUND if name.endswith("attn.qkv.bias") else PARAM_ATOL
