@@ -48,6 +48,7 @@ STATS = ("dropped_fraction", "tokens_per_expert_min", "tokens_per_expert_max")
 # (TP, PP, sequence parallel, model) with EP=2 over DP=2 on 4 ranks
 LAYOUTS = {"ep2_tp2": (2, 1, False, "gpt"), "ep2_pp2": (1, 2, False, "gpt"), "ep2_tp2_sp": (2, 1, True, "gpt"),
            "llama_ep2_pp2": (1, 2, False, "llama")}
+ZERO3_LAYOUT = ("ep2_tp2_sp", "capacity, ZeRO-3")
 
 
 def _config(factor: float | None, tp: int = 1, sp: bool = False, model: str = "gpt",
@@ -125,20 +126,26 @@ def _full_params(engine) -> dict[str, torch.Tensor]:
     ep = dist.get_world_size(ep_group) if ep_group is not None else 1
     tp = grid.tensor_model_parallel_size if grid is not None else 1
     name_of, out = global_name_of(engine.module), {}
-    for name, param in engine.module.named_parameters():
-        p = param.detach().clone()
-        if getattr(param, "megazero_expert", False) and ep > 1:
-            assert param.megazero_expert_first == dist.get_rank(ep_group) * p.shape[0], name
-            pieces = [torch.empty_like(p) for _ in range(ep)]
-            dist.all_gather(pieces, p.contiguous(), group=ep_group)
-            p = torch.cat(pieces)
-        dim, stride = partition_of(param)
-        if dim is not None and tp > 1:
-            shards = [torch.empty_like(p) for _ in range(tp)]
-            dist.all_gather(shards, p.contiguous(), group=grid.tp_group)
-            p = merge_shards(shards, dim, stride)
-        out[name_of(name)] = p
+    with megazero.zero.GatheredParameters(list(engine.module.parameters())):  # (ZeRO-3: whole here)
+        for name, param in engine.module.named_parameters():
+            out[name_of(name)] = _whole(param, grid, ep_group, ep, tp)
     return out
+
+
+def _whole(param: torch.nn.Parameter, grid, ep_group, ep: int, tp: int) -> torch.Tensor:
+    """One parameter with every EP rank's experts and every TP rank's shard."""
+    p = param.detach().clone()
+    if getattr(param, "megazero_expert", False) and ep > 1:
+        assert param.megazero_expert_first == dist.get_rank(ep_group) * p.shape[0]
+        pieces = [torch.empty_like(p) for _ in range(ep)]
+        dist.all_gather(pieces, p.contiguous(), group=ep_group)
+        p = torch.cat(pieces)
+    dim, stride = partition_of(param)
+    if dim is not None and tp > 1:
+        shards = [torch.empty_like(p) for _ in range(tp)]
+        dist.all_gather(shards, p.contiguous(), group=grid.tp_group)
+        p = merge_shards(shards, dim, stride)
+    return p
 
 
 def run_expert_parallel(save_dir: str) -> dict:
@@ -175,6 +182,9 @@ def run_model_parallel_layouts(save_dir: str) -> dict:
             if pp > 1 and model == "gpt":
                 engine.save_checkpoint(f"{save_dir}/{layout}-{mode}", "ep2pp2")
                 run["next"] = _train_batches(engine, MORE, start=STEPS)
+    # ZeRO-3 inside EP=2 x TP=2 + SP: the dense shards over DP=2, each rank's experts alone
+    engine = _engine(MODES["capacity"][0], 3, 2, 2, 1, micro=1, sp=True, dropout=DROPOUT)
+    out[ZERO3_LAYOUT] = _train_batches(engine, STEPS)
     return out
 
 
@@ -250,6 +260,8 @@ def test_moe_gpt_ep_tp_and_ep_pp_match_single_process(pools, tmp_path):
                     _assert_same_losses(mine["next"], ref[mode]["next"], f"{what} -> EP=1 PP=1")
                     _assert_params_close(ref[mode]["next"]["params"], mine["next"]["params"], f"{what} -> EP=1 PP=1")
             assert names == expected["params"].keys(), f"{mode} {layout}: parameters missing"
+    for rank, run in enumerate(runs):
+        _assert_same_run(ref["capacity"], run[ZERO3_LAYOUT], f"capacity EP=2 x TP=2 + SP ZeRO-3 rank {rank}")
 
 
 def test_aux_losses_train_under_recomputation():
