@@ -78,6 +78,7 @@ bench: install data $(BENCH_STAMP)
 	DS_ACCELERATOR=cpu $(BIN)/python -m benchmarks.bench_cpu_adam
 	$(BIN)/python -m benchmarks.bench_watchdog
 	$(BIN)/python -m benchmarks.bench_moe
+	$(BIN)/python -m benchmarks.bench_moe_zero
 	$(BIN)/python -m benchmarks.bench_onebit
 	$(BIN)/python -m benchmarks.report
 

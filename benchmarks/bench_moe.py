@@ -12,8 +12,8 @@ one expert: a token passes through 2 experts), in one run on 2 gloo ranks (one t
    forward plus backward, per rank. On gloo the exchange is synchronous, so this time includes
    waiting for the other rank to arrive (its share of any imbalance between the ranks).
 
-fp32, AdamW (the recipe's), global batch 8 x 256 tokens, ZeRO 1 (the data-parallel state of the
-experts: the expert-data-parallel group; ZeRO-3 is refused with experts). Writes
+fp32, AdamW (the recipe's), global batch 8 x 256 tokens, ZeRO 1 (the experts' data-parallel state
+over the expert-data-parallel group; ZeRO 1-3 and offload side by side: bench_moe_zero.py). Writes
 benchmarks/results/moe.json. `--quick`: a tiny shape and a few seconds of training, to check that
 it runs.
 """

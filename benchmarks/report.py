@@ -204,6 +204,19 @@ def render_moe(r: dict) -> str:
                                                     if notes else ""))
 
 
+def render_moe_zero(r: dict) -> str:
+    mb = lambda v: num(v / 1e6, 1)  # noqa: E731
+    cols = [Col("s / step", "seconds_per_step", lambda v: num(v, 3)), Col("time vs ZeRO-1", "time_vs_zero1", ratio),
+            Col("parameters MB", "parameters_bytes", mb), Col("gradients MB", "gradients_bytes", mb),
+            Col("optimizer MB", "optimizer_states_bytes", mb), Col("model state MB", "total_bytes", mb),
+            Col("memory vs ZeRO-1", "memory_vs_zero1", ratio),
+            Col("max loss difference", "max_loss_difference_to_zero1", lambda v: f"{v:.1e}")]
+    return (f"{'--quick shape. ' if r.get('quick') else ''}{num(r['dense_parameters'])} dense and "
+            f"{num(r['expert_parameters'])} expert parameters; EP={r['ep']} on {r['world']} ranks. Memory: the "
+            f"largest rank's model-state bytes in memory after a step ({r.get('note', '')}).\n\n"
+            + rows_table(r["rows"], cols, "ZeRO"))
+
+
 def render_onebit(r: dict) -> str:
     rows = r["rows"]
     cols = [Col("vs", "baseline"), Col("parameters", "parameters"), Col("tokens/s", "tokens_per_s"),
@@ -365,6 +378,10 @@ SECTIONS = [
             "The recipe's MoE GPT (4 experts, top-2) at EP=2 next to the dense GPT with the same active parameters, "
             "2 gloo ranks: tokens/s, validation loss after equal training time, and the all-to-all's share.",
             render_moe),
+    Section("moe_zero", "Mixture of experts under ZeRO 1-3 and offload", "bench_moe_zero.py",
+            "The recipe's MoE GPT at EP=2 on 4 gloo ranks (each expert on 2 ranks) at ZeRO 1, 2, 3 and ZeRO-3 with "
+            "optimizer and parameter offload to nvme, side by side: model-state bytes per rank, seconds per step "
+            "(alternating trials) and the losses, which must agree.", render_moe_zero),
     Section("onebit", "1-bit Adam, 0/1 Adam and 1-bit LAMB against Adam and LAMB", "bench_onebit.py",
             "A GPT whose communication is a large share of Adam's step, on 2 gloo ranks, each compressed-"
             "communication optimizer next to its plain counterpart from the same seed and batches: the loss after "
