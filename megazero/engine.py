@@ -207,8 +207,12 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         self._loss_guards.append(guard)
         return loss.float() * (self.loss_scaler.scale / accumulation) * guard
 
-    def _backward(self, output: torch.Tensor, output_grad: torch.Tensor | None = None) -> None:
-        reduces = self._reduces_this_backward(self.is_gradient_accumulation_boundary())
+    def _backward(self, output: torch.Tensor, output_grad: torch.Tensor | None = None,
+                  communicate: bool = True) -> None:
+        """Backward of `output` (with `output_grad` where it is not a loss); communicate False: the
+        gradients stay local this time, to be reduced when the optimizer step asks for them (a
+        zero-bubble pipeline schedule, whose weight gradients arrive after their backward)."""
+        reduces = communicate and self._reduces_this_backward(self.is_gradient_accumulation_boundary())
         if self._averager is not None:  # asked per window: it turns true when compression starts
             self.dp.local_gradients = self._averager.local_gradients
         self.dp.begin_micro_step(reduces)

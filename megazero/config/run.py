@@ -44,6 +44,9 @@ class ParallelSection(RunSection):
     num_layers_per_virtual_pipeline_stage: int | None = Field(
         None, ge=1, description="interleaved 1F1B: each stage holds num_layers / (PP x this) model chunks "
                                 "(engine key pipeline.num_layers_per_virtual_stage)")
+    pipeline_schedule: Literal["1f1b", "zb-h1"] | None = Field(
+        None, description="1f1b (interleaved with virtual stages) or zb-h1 (zero-bubble: backward split into "
+                          "input and weight gradients) (engine key pipeline.schedule; default 1f1b)")
     pipeline_partition_method: Literal["parameters", "compute", "measured"] | None = Field(
         None, description="which layers each stage holds: balanced by parameters, forward FLOPs or measured time "
                           "(engine key pipeline.partition_method; default parameters)")
@@ -370,6 +373,7 @@ def _watchdog(config: dict, seconds: float) -> str:
 ENGINE_KEYS: dict[tuple[str, str], str | Callable[[dict, Any], str]] = {
     ("parallel", "num_layers_per_virtual_pipeline_stage"): "pipeline.num_layers_per_virtual_stage",
     ("parallel", "pipeline_partition_method"): "pipeline.partition_method",
+    ("parallel", "pipeline_schedule"): "pipeline.schedule",
     ("training", "micro_batch_size"): "train_micro_batch_size_per_gpu",
     ("training", "global_batch_size"): "train_batch_size",
     ("training", "optimizer"): _optimizer,  # first: the keys below depend on the type

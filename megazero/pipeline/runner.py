@@ -17,12 +17,15 @@ import torch.distributed as dist
 
 from megazero.model_contract import HIDDEN_STATES
 from megazero.moe.layer import attached_aux_loss
+from megazero.pipeline.actions import SCHEDULES, SPLIT_SCHEDULES, Schedule
 from megazero.pipeline.chunks import MODEL_CHUNK, model_chunks
 from megazero.pipeline.interleaved import interleaved_one_f_one_b
 from megazero.pipeline.p2p import StageLinks, input_shapes
 from megazero.pipeline.schedule import one_f_one_b
+from megazero.pipeline.zero_bubble import run_split_one_f_one_b
 from megazero.precision import cast_floating
 from megazero.step_state import StepState
+from megazero.tensor_parallel.weight_grad import STORE, deferring, splittable
 
 
 @dataclass
@@ -30,7 +33,8 @@ class EngineCalls:
     """What the runner asks of the engine."""
 
     forward: Callable[..., torch.Tensor]  # the engine's forward (dropout streams, FLOPs profile)
-    backward: Callable[[torch.Tensor, torch.Tensor | None], None]  # backward of an output (and its gradient)
+    # backward of an output (and its gradient); communicate False: no reduction started by it
+    backward: Callable[..., None]
     scaled_loss: Callable[[torch.Tensor, int], torch.Tensor]  # the loss as backward takes it, per accumulation
     step: Callable[[], None]  # engine.step()
     device: Callable[[], torch.device]
@@ -47,22 +51,31 @@ class PipelineRunner:
         self.steps = steps
         self.calls = calls
         self.shapes: dict | None = {}  # the p2p messages' shapes, kept across steps (None: no cache)
+        self._schedules: dict[tuple[str, int], Schedule] = {}  # generated once per micro-batch count
+        self.weight_jobs = 0  # deferred weight gradients computed by W actions (split schedules), all steps
 
     def train_batch(self, batches: list) -> torch.Tensor:
         """One optimizer step over `batches` (gradient_accumulation_steps micro-batches): the last
         stage's mean loss, the same on every stage."""
         micro = len(batches)
 
+        split = self.split_schedule(micro) is not None
+
         def backward_step(chunk: int, m: int, output: torch.Tensor, output_grad: torch.Tensor | None) -> None:
             if output_grad is None:  # the last virtual stage's output is the loss
                 output = self.calls.scaled_loss(output, micro)
-            self.calls.backward(output, output_grad)
+            if split:  # the B: weight gradients deferred to the W, reduced at the step (all arrive by then)
+                with splittable(), deferring((chunk, m)):
+                    self.calls.backward(output, output_grad, communicate=False)
+            else:
+                self.calls.backward(output, output_grad)
             # one micro-step per micro-batch, ended by its last backward here (chunk 0's); the
             # boundary backward, the stage's last, is chunk 0's of the last micro-batch
             if chunk == 0 and m < micro - 1:
                 self.calls.step()
 
         aux: list[torch.Tensor] = []
+        STORE.clear()  # (weight gradients a failed step left pending)
         losses = self.run(batches, backward_step, aux)
         self.calls.step()  # the optimizer step, once this stage has sent its last input gradient
         mean = torch.stack(losses).mean() if losses else torch.zeros((), dtype=torch.float32,
@@ -71,6 +84,21 @@ class PipelineRunner:
             mean = mean + torch.stack(aux).sum() / micro
         dist.all_reduce(mean, group=self.grid.pp_group)  # the last stage's loss (plus those), the same on every stage
         return mean.cpu()
+
+    def split_schedule(self, num_microbatches: int) -> Schedule | None:
+        """The schedule with split backwards (`pipeline.schedule` zb-h1) for this many micro-batches,
+        or None (1F1B, interleaved)."""
+        name = self.config.pipeline.schedule
+        if name not in SPLIT_SCHEDULES:
+            return None
+        key = (name, num_microbatches)
+        if key not in self._schedules:
+            self._schedules[key] = SCHEDULES[name](self.grid.pipeline_model_parallel_size, num_microbatches)
+        return self._schedules[key]
+
+    def _weights(self, micro: int) -> None:
+        """The W of micro-batch `micro`: the weight gradients its B deferred."""
+        self.weight_jobs += STORE.run((0, micro))
 
     def eval_batch(self, batch) -> torch.Tensor:
         """The last stage's loss of one batch run forward through every stage, on every rank."""
@@ -87,6 +115,7 @@ class PipelineRunner:
         grid = self.grid
         chunks = model_chunks(self.module)
         num_chunks = len(chunks)
+        split = self.split_schedule(len(batches))
         # messages of shapes both sides have seen for these input shapes go without their headers
         links = StageLinks(grid.pp_ranks, grid.pp_rank, grid.pp_group, self.config.compute_dtype, self.calls.device(),
                            self.timers, ring=num_chunks > 1, shapes=self.shapes,
@@ -101,7 +130,8 @@ class PipelineRunner:
                 kwargs[MODEL_CHUNK] = chunk
             self.steps.pipeline_micro = m
             try:
-                output = self.calls.forward(**kwargs)
+                with splittable(split is not None and backward_step is not None):
+                    output = self.calls.forward(**kwargs)
             finally:
                 self.steps.pipeline_micro = None
             if grid.is_last_stage and chunk == num_chunks - 1:
@@ -112,7 +142,10 @@ class PipelineRunner:
 
         stage, stages, micro = grid.pp_rank, grid.pipeline_model_parallel_size, len(batches)
         forward_only = backward_step is None
-        if num_chunks > 1:
+        if split is not None and not forward_only:
+            run_split_one_f_one_b(split, stage, links, lambda m, x: forward_step(0, m, x),
+                                  lambda m, y, g: backward_step(0, m, y, g), self._weights)
+        elif num_chunks > 1:
             interleaved_one_f_one_b(micro, stage, stages, num_chunks, links, forward_step, backward_step,
                                     forward_only)
         else:

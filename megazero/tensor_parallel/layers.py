@@ -32,6 +32,7 @@ from megazero.tensor_parallel.mappings import (
     sync_replicated_grad,
 )
 from megazero.tensor_parallel.utils import divide, set_tensor_parallel_attributes, shard_of
+from megazero.tensor_parallel.weight_grad import linear
 
 InitMethod = Callable[[torch.Tensor], object]
 
@@ -84,7 +85,7 @@ class ColumnParallelLinear(nn.Module):
             x = gather_from_sequence_parallel_region(x, self.tp_group)
         else:
             x = copy_to_tensor_parallel_region(x, self.tp_group)
-        y = F.linear(x, self.weight, self.bias if add_bias else None)
+        y = linear(x, self.weight, self.bias if add_bias else None)
         if not self.gather_output:
             return y
         y = gather_from_tensor_parallel_region(y, self.tp_group)  # [..., rank, stride block, piece]
@@ -119,7 +120,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.tp_group)
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
         else:

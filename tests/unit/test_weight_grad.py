@@ -1,0 +1,60 @@
+"""Split backward (megazero.tensor_parallel.weight_grad): B then W equals the fused backward bit for
+bit, equals F.linear's autograd, and W reaches the parameters through autograd (their hooks fire)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megazero.tensor_parallel.weight_grad import STORE, deferring, linear, splittable
+
+
+def _two_layers(bias: bool):
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(16, 32, bias=bias), torch.nn.Linear(32, 8, bias=bias)]
+    x = torch.randn(4, 5, 16, requires_grad=True)
+    return layers, x
+
+
+def _run(mode: str, bias: bool):
+    """Gradients of x and of every parameter: F.linear's autograd ("torch"), the splittable linear
+    in one backward ("fused"), or its B under deferring() then W ("split")."""
+    layers, x = _two_layers(bias)
+    fired = []
+    for layer in layers:
+        for p in layer.parameters():
+            p.register_post_accumulate_grad_hook(lambda p: fired.append(p.shape))
+    fn = F.linear if mode == "torch" else linear
+    with splittable(mode != "torch"):
+        y = fn(torch.tanh(fn(x, layers[0].weight, layers[0].bias)), layers[1].weight, layers[1].bias)
+    loss = (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum()
+    if mode == "split":
+        with deferring("m0"):
+            loss.backward()
+        assert x.grad is not None and all(p.grad is None for layer in layers for p in layer.parameters())
+        assert fired == [] and STORE.run("m0") == 2 and STORE.pending == {}
+    else:
+        loss.backward()
+    assert len(fired) == (4 if bias else 2)
+    return [x.grad] + [p.grad for layer in layers for p in layer.parameters()]
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_b_then_w_equals_the_fused_backward_and_torch(bias):
+    fused, split, torch_grads = _run("fused", bias), _run("split", bias), _run("torch", bias)
+    for a, b in zip(fused, split, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(fused, torch_grads, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_outside_splittable_linear_is_f_linear_and_a_non_leaf_weight_computes_w_with_b():
+    w = torch.randn(4, 3, requires_grad=True)
+    x = torch.randn(2, 3)
+    assert linear(x, w).grad_fn.name() == F.linear(x, w).grad_fn.name()
+    with splittable():
+        y = linear(x, w * 2)  # a weight reached through another function: no deferral
+    with deferring("m"):
+        y.sum().backward()
+    assert w.grad is not None and STORE.pending == {}
