@@ -21,7 +21,9 @@ each PP row at both stage splits (models.parallelize.stage_layers; the rows of a
 parameters end in _<method>; each row records every rank's layers; at v = 2 the compute and
 measured splits are chosen for the row's m, as a recipe's are for its gradient accumulation steps).
 --transports shm backend: each PP row through shared memory and through gloo, side by side in one
-run (pipeline.p2p_transport; the rows of the second end in _backend).
+run (pipeline.p2p_transport; the rows of the second end in _backend). --schedules (default 1f1b
+zb-h1): each v=1 PP row also under the zero-bubble H1 schedule (rows ending in _zbh1), with the
+bubble formula from the row's measured F, B and W times per micro-batch beside it.
 Writes benchmarks/results/parallel_bubbles_pp{WORLD}.json.
 """
 
@@ -60,24 +62,30 @@ LLAMA_PEERS = {"llama_dp2": "dp2", "llama_tp2": "tp2"}  # the Llama layouts and 
 BUBBLE_LAYERS = 16
 BUBBLE_HIDDEN = 192
 BUBBLE_MICRO_BATCHES = (4, 8, 16)
+COMPUTE = ("forward", "backward", "backward_weight")  # the engine's timers of F, B and a split schedule's W
 
 
-def bubble_layouts(world: int, methods: tuple[str, ...] = ("parameters",),
-                   layers: int = BUBBLE_LAYERS, transports: tuple[str, ...] = ("auto",)) -> dict[str, dict]:
-    """--bubbles: name -> {tp, pp, sp, micro, batch, chunks, layers, split, transport}: DP=world and
-    PP=world (v = 1, 2, at each stage split of `methods` and each p2p transport of `transports`:
-    pipeline.p2p_transport) at each m, the same global batch of m samples."""
+def bubble_layouts(world: int, methods: tuple[str, ...] = ("parameters",), layers: int = BUBBLE_LAYERS,
+                   transports: tuple[str, ...] = ("auto",), schedules: tuple[str, ...] = ("1f1b",)) -> dict[str, dict]:
+    """--bubbles: name -> {tp, pp, sp, micro, batch, chunks, layers, split, transport, schedule}: DP=world
+    and PP=world (v = 1, 2, at each stage split of `methods` and each p2p transport of `transports`:
+    pipeline.p2p_transport; v = 1 also at each pipeline.schedule of `schedules` after 1f1b, rows ending
+    in _<schedule>) at each m, the same global batch of m samples."""
     layouts = {}
     for m in BUBBLE_MICRO_BATCHES:
-        common = {"tp": 1, "sp": False, "batch": m, "layers": layers, "split": "parameters", "transport": "auto"}
+        common = {"tp": 1, "sp": False, "batch": m, "layers": layers, "split": "parameters", "transport": "auto",
+                  "schedule": "1f1b"}
         layouts[f"dp{world}_b{m}"] = {**common, "pp": 1, "micro": m // world, "chunks": 1}
         for v in (1, 2):
             for method in methods:
                 for transport in transports:
-                    suffix = "" if method == "parameters" else f"_{method}"
-                    suffix += "" if transport == transports[0] else f"_{transport}"
-                    layouts[f"pp{world}_m{m}_v{v}{suffix}"] = {**common, "pp": world, "micro": 1, "chunks": v,
-                                                               "split": method, "transport": transport}
+                    for schedule in schedules if v == 1 else ("1f1b",):
+                        suffix = "" if method == "parameters" else f"_{method}"
+                        suffix += "" if transport == transports[0] else f"_{transport}"
+                        suffix += "" if schedule == "1f1b" else f"_{schedule.replace('-', '')}"
+                        layouts[f"pp{world}_m{m}_v{v}{suffix}"] = {**common, "pp": world, "micro": 1, "chunks": v,
+                                                                   "split": method, "transport": transport,
+                                                                   "schedule": schedule}
     # the issue's case with a shape header on every p2p message, as before the shape cache
     if "parameters" in methods:
         layouts[f"pp{world}_m8_v1_headers"] = {**layouts[f"pp{world}_m8_v1"], "headers": True}
@@ -88,10 +96,10 @@ def layout_spec(name: str, args) -> dict:
     """A layout's {tp, pp, sp, micro, batch, chunks, layers, split} (layers None: the recipe's)."""
     if args.bubbles:
         return bubble_layouts(args.bubbles, tuple(args.partition_methods), args.num_layers,
-                              tuple(args.transports))[name]
+                              tuple(args.transports), tuple(args.schedules))[name]
     tp, pp, sp, micro = LAYOUTS[name]
     return {"tp": tp, "pp": pp, "sp": sp, "micro": micro, "batch": GLOBAL_BATCH, "chunks": 1, "layers": None,
-            "split": "parameters", "transport": "auto"}
+            "split": "parameters", "transport": "auto", "schedule": "1f1b"}
 
 
 def model_config(name: str, tp: int, sp: bool, layers: int | None = None, hidden: int | None = None,
@@ -127,7 +135,7 @@ class LayoutRun:
             optimizer = json.load(f)["optimizer"]
         engine_config = {**recipe_config(), "optimizer": optimizer, "train_batch_size": spec["batch"],
                          "train_micro_batch_size_per_gpu": micro, "wall_clock_breakdown": True,
-                         "pipeline": {"p2p_transport": spec["transport"]}}
+                         "pipeline": {"p2p_transport": spec["transport"], "schedule": spec["schedule"]}}
         dataset = GPTDataset(IndexedDataset(args.data_path + "_train_text_document"), config.seq_length, seed=1)
         self.engine, _, loader, _ = megazero.initialize(model=model, model_parameters=param_groups(model),
                                                         training_data=dataset, config=engine_config,
@@ -138,15 +146,18 @@ class LayoutRun:
         self.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.layers = [[c.layers.start, c.layers.stop] for c in getattr(model, "chunks", [model])]
         self.busy = self.schedule = self.p2p = 0.0
+        self.compute = dict.fromkeys(COMPUTE, 0.0)  # seconds of F, B (W included where not split) and W
 
     def step(self) -> float:
         timers = self.engine.timers
-        before = {n: timers(n).elapsed for n in ("forward", "backward", "step", "pipe_send_recv")}
+        before = {n: timers(n).elapsed for n in (*COMPUTE, "step", "pipe_send_recv")}
         start = time.perf_counter()
         loss = self.engine.train_batch(self.data).item()
         wall = time.perf_counter() - start
         after = {n: timers(n).elapsed for n in before}
-        self.busy += after["forward"] - before["forward"] + after["backward"] - before["backward"]
+        for n in COMPUTE:
+            self.compute[n] += after[n] - before[n]
+        self.busy += sum(after[n] - before[n] for n in COMPUTE)
         self.schedule += wall - (after["step"] - before["step"])
         self.p2p += after["pipe_send_recv"] - before["pipe_send_recv"]
         return loss
@@ -160,6 +171,7 @@ def worker(rank: int, world: int, port: int, args, queue) -> None:
     losses = {name: [run.step() for _ in range(args.warmup)] for name, run in runs.items()}
     for run in runs.values():
         run.busy = run.schedule = run.p2p = 0.0
+        run.compute = dict.fromkeys(COMPUTE, 0.0)
     times = {name: [] for name in runs}
     for _ in range(args.trials):
         for name, run in runs.items():
@@ -170,8 +182,10 @@ def worker(rank: int, world: int, port: int, args, queue) -> None:
     bubbles = {name: run.schedule and 1 - run.busy / run.schedule for name, run in runs.items()}
     blocked = {name: run.schedule and run.p2p / run.schedule for name, run in runs.items()}
     busy = {name: run.busy / (args.trials * args.steps) for name, run in runs.items()}
+    compute = {name: {n: t / (args.trials * args.steps) for n, t in run.compute.items()} for name, run in runs.items()}
     gathered = [None] * world
     dist.all_gather_object(gathered, {"bubble": bubbles, "blocked": blocked, "busy": busy, "losses": losses,
+                                      "compute": compute,
                                       "param_bytes": {n: r.param_bytes for n, r in runs.items()},
                                       "layers": {n: r.layers for n, r in runs.items()},
                                       "weights": {n: r.weights for n, r in runs.items()}})
@@ -203,6 +217,9 @@ def main() -> None:
     parser.add_argument("--transports", nargs="+", choices=["auto", "backend", "shm"], default=["auto"],
                         help="--bubbles: the pipeline.p2p_transport of each PP row (rows of all but the first end "
                              "in _<transport>; default: auto, which is shm here)")
+    parser.add_argument("--schedules", nargs="+", choices=["1f1b", "zb-h1"], default=["1f1b", "zb-h1"],
+                        help="--bubbles: the pipeline.schedule of each v=1 PP row (rows of all but 1f1b end in "
+                             "_<schedule>; default: both)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.bubbles:
@@ -261,7 +278,8 @@ def bubbles_main(args) -> None:
     world = args.bubbles
     if args.hidden_size is None:
         args.hidden_size = BUBBLE_HIDDEN
-    layouts = bubble_layouts(world, tuple(args.partition_methods), args.num_layers, tuple(args.transports))
+    layouts = bubble_layouts(world, tuple(args.partition_methods), args.num_layers, tuple(args.transports),
+                             tuple(args.schedules))
     if args.layouts == list(LAYOUTS):
         args.layouts = list(layouts)
     result = spawn_workers(worker, (args,), world=world)[0]
@@ -285,26 +303,35 @@ def bubbles_main(args) -> None:
             row["not_computing"] = statistics.mean(r["bubble"][name] for r in ranks)
             row["theory_over_ideal"] = interleaved_bubble_fraction(p, m, v)
             row["theory_fraction_of_step"] = (p - 1) / (v * m + p - 1)
+            if v == 1:  # the formulas with this row's own F, B and W per micro-batch (mean over ranks)
+                f, b, w = (statistics.mean(r["compute"][name][n] for r in ranks) / m for n in COMPUTE)
+                row["f_b_w_seconds"] = [f, b, w]
+                bubble = (p - 1) * ((f + b + w) if spec["schedule"] == "1f1b" else (f + b - w))
+                row["theory_with_measured_costs"] = bubble / (m * (f + b + w) + bubble)
         rows[name] = row
     print(f"recipe GPT at {args.num_layers} layers, hidden {config.hidden_size} (vocab 8192), {world} gloo ranks x 1 "
           f"thread, fp32, micro-batches of 1 x {seq} tokens, {args.trials} alternating trials of {args.steps} steps")
-    print(f"{'layout':<18}{'tokens/s':>10}{'vs DP':>8}{'blocked in p2p':>16}{'not computing':>15}"
-          f"{'(p-1)/(vm)':>12}{'(p-1)/(vm+p-1)':>16}  busy s/step, blocked per rank")
+    print(f"{'layout':<24}{'tokens/s':>10}{'vs DP':>8}{'blocked in p2p':>16}{'not computing':>15}"
+          f"{'(p-1)/(vm)':>12}{'(p-1)/(vm+p-1)':>16}{'F,B,W formula':>15}  busy s/step, blocked per rank")
     for row in rows.values():
         if row["pp"] == 1:
-            label, cells = f"DP={world} b={row['batch']}", f"{'-':>16}{'-':>15}{'-':>12}{'-':>16}"
+            label, cells = f"DP={world} b={row['batch']}", f"{'-':>16}{'-':>15}{'-':>12}{'-':>16}{'-':>15}"
         else:
             label = f"PP={row['pp']} m={row['micro_batches']} v={row['chunks']}"
             label += " hdr" if row.get("headers") else ""
             label += "" if row["split"] == "parameters" else f" {row['split'][:4]}"
             label += "" if row["transport"] == args.transports[0] else f" {row['transport'][:4]}"
+            label += "" if row["schedule"] == "1f1b" else f" {row['schedule']}"
+            formula = row.get("theory_with_measured_costs")
             cells = (f"{row['bubble_measured']:>16.3f}{row['not_computing']:>15.3f}{row['theory_over_ideal']:>12.3f}"
-                     f"{row['theory_fraction_of_step']:>16.3f}")
+                     f"{row['theory_fraction_of_step']:>16.3f}" + (f"{formula:>15.3f}" if formula is not None
+                                                                   else f"{'-':>15}"))
         busy = " ".join(f"{b:.2f}" for b in row["busy_s_per_step"])
         busy += "  " + " ".join(f"{b:.3f}" for b in row.get("blocked_in_p2p", []))
-        print(f"{label:<18}{row['tokens_per_s']:>10,.0f}{row['ratio_to_dp']:>8.3f}{cells}  {busy}")
+        print(f"{label:<24}{row['tokens_per_s']:>10,.0f}{row['ratio_to_dp']:>8.3f}{cells}  {busy}")
     print("blocked in p2p: time in the pipeline's exchanges / schedule time (mean over ranks); not computing: "
-          "1 - (forward + backward) / schedule time")
+          "1 - (forward + backward) / schedule time; F,B,W formula: the bubble as a fraction of the step from the "
+          "row's measured F, B and W per micro-batch, 1F1B (p-1)(F+B+W), ZB-H1 (p-1)(F+B-W)")
     out = args.out or os.path.join(REPO, "benchmarks", "results", f"parallel_bubbles_pp{world}.json")
     write_result(f"parallel_bubbles_pp{world}", {"world": world, "rows": rows}, args=args, out=out)
 

@@ -132,11 +132,6 @@ def _check_model_parallel(grid, config: EngineConfig) -> None:
                           f"{grid.pipeline_model_parallel_size}: ZeRO-3 is not supported with pipeline "
                           f"parallelism; use stage 1 or 2")
     schedule = config.pipeline.schedule
-    if schedule == "zb-h1" and config.zero_optimization.stage > 1:
-        raise ConfigError(f"pipeline.schedule {schedule} with zero_optimization.stage "
-                          f"{config.zero_optimization.stage}: its weight gradients arrive after their micro-batch's "
-                          f"backward, and stage 2 reduces each micro-batch's gradients as its backward ends; use "
-                          f"stage 0 or 1")
     if schedule == "zb-h1" and config.pipeline.num_layers_per_virtual_stage is not None:
         raise ConfigError(f"pipeline.schedule {schedule} runs one model chunk per stage: unset "
                           f"pipeline.num_layers_per_virtual_stage (--num-layers-per-virtual-pipeline-stage), or use "

@@ -209,18 +209,19 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
 
     def _backward(self, output: torch.Tensor, output_grad: torch.Tensor | None = None,
                   communicate: bool = True) -> None:
-        """Backward of `output` (with `output_grad` where it is not a loss); communicate False: the
-        gradients stay local this time, to be reduced when the optimizer step asks for them (a
-        zero-bubble pipeline schedule, whose weight gradients arrive after their backward)."""
-        reduces = communicate and self._reduces_this_backward(self.is_gradient_accumulation_boundary())
+        """Backward of `output` (with `output_grad` where it is not a loss); communicate False: its
+        gradients are reduced with the window's at the optimizer step (a zero-bubble pipeline
+        schedule, whose weight gradients arrive after their backward)."""
+        defer = not communicate
+        reduces = not defer and self._reduces_this_backward(self.is_gradient_accumulation_boundary())
         if self._averager is not None:  # asked per window: it turns true when compression starts
             self.dp.local_gradients = self._averager.local_gradients
-        self.dp.begin_micro_step(reduces)
+        self.dp.begin_micro_step(reduces, defer)
         self.timers("backward").start()
         # MoE auxiliary losses attached to activations get the gradient the loss gets (megazero/moe/aux_loss.py)
         with aux_loss_gradient_scale(self.loss_scaler.scale / self.gradient_accumulation_steps()):
             torch.autograd.backward(output, output_grad)
-        self.dp.after_backward(reduces)
+        self.dp.after_backward(reduces, defer)
         self.timers("backward").stop()
 
     def step(self) -> None:

@@ -511,7 +511,9 @@ def save_or_stop(engine, run: RunConfig, it: int, rank: int, last: bool = False)
 
     save = run.checkpoint.save
     try:
-        engine.save_checkpoint(save, client_state={"iteration": it, "run_config": run.to_dict()})
+        path = engine.save_checkpoint(save, client_state={"iteration": it, "run_config": run.to_dict()})
+        if rank == 0:
+            print(f"saved checkpoint {path} at iteration {it}", flush=True)
     except CheckpointError as e:
         if last:
             raise SystemExit(f"checkpoint save failed at iteration {it}, the run's last save (the last complete "

@@ -340,7 +340,7 @@ class PipelineConfig(Section):
         "1f1b", description="the pipeline schedule (--pipeline-schedule): 1f1b (interleaved when the stages "
                             "hold several model chunks), or zb-h1 (zero-bubble H1: backward split into input "
                             "and weight gradients, the weight gradients filling 1F1B's bubbles; one chunk "
-                            "per stage, ZeRO 0-1)")
+                            "per stage, ZeRO 0-2)")
     p2p_transport: Literal["auto", "backend", "shm"] = Field(
         "auto", description="how stages exchange activations: auto: shared memory between ranks on one host "
                             "with CPU tensors (2 x 64 MiB of /dev/shm per link), else the process group; "

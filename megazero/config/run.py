@@ -20,6 +20,7 @@ import copy
 import dataclasses
 import json
 import math
+import warnings
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
@@ -517,6 +518,11 @@ def _follow_schedule(engine: dict, train_iters: int, lr: float | None) -> list[s
         notes.append(str(EngineKeyNote("scheduler.params.total_num_steps", train_iters, "--train-iters",
                                        params.get("total_num_steps"))))
         params["total_num_steps"] = train_iters
+        warmup = params.get("warmup_num_steps", 0)
+        if isinstance(warmup, int) and warmup >= train_iters:
+            warnings.warn(f"scheduler.params.warmup_num_steps {warmup} (the engine JSON's) >= --train-iters "
+                          f"{train_iters}: the learning rate never leaves its warm-up; lower warmup_num_steps, "
+                          f"or give Megatron's --lr-warmup-iters with --lr-decay-style", stacklevel=3)
     if lr is not None and scheduler.get("type") in ("WarmupLR", "WarmupDecayLR"):
         notes.append(str(EngineKeyNote("scheduler.params.warmup_max_lr", lr, "--lr", params.get("warmup_max_lr"))))
         params["warmup_max_lr"] = lr

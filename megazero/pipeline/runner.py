@@ -97,8 +97,14 @@ class PipelineRunner:
         return self._schedules[key]
 
     def _weights(self, micro: int) -> None:
-        """The W of micro-batch `micro`: the weight gradients its B deferred."""
-        self.weight_jobs += STORE.run((0, micro))
+        """The W of micro-batch `micro`: the weight gradients its B deferred (timed as
+        `backward_weight`, beside the B's `backward`)."""
+        timer = self.timers("backward_weight")
+        timer.start()
+        try:
+            self.weight_jobs += STORE.run((0, micro))
+        finally:
+            timer.stop()
 
     def eval_batch(self, batch) -> torch.Tensor:
         """The last stage's loss of one batch run forward through every stage, on every rank."""

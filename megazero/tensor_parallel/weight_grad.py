@@ -28,17 +28,20 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+Job = Callable[[], list[tuple[torch.Tensor, torch.Tensor]]]  # -> (parameter, its gradient) pairs
+
 
 class WeightGradients:
     """The pending weight-gradient jobs of the B passes run under `deferring()`, in one list per
-    key (a schedule's (chunk, micro-batch)); `run(key)` does them, oldest first."""
+    key (a schedule's (chunk, micro-batch)); `run(key)` does them, oldest first, and hands all their
+    gradients to autograd in one call."""
 
     def __init__(self):
         self.recording = False  # linear() builds splittable graphs (forwards of a zero-bubble schedule)
         self.key = None  # where a B under deferring() files its jobs; None: compute W with B
         self.pending: dict = {}
 
-    def defer(self, job: Callable[[], None]) -> bool:
+    def defer(self, job: Job) -> bool:
         """File `job` under the current key; False when no B is deferring (run it now)."""
         if self.key is None:
             return False
@@ -48,8 +51,7 @@ class WeightGradients:
     def run(self, key) -> int:
         """Do the jobs filed under `key` (nothing filed: nothing to do); returns how many."""
         jobs = self.pending.pop(key, [])
-        for job in jobs:
-            job()
+        accumulate([pair for job in jobs for pair in job()])
         return len(jobs)
 
     def clear(self) -> None:
@@ -81,6 +83,19 @@ def deferring(key):
         STORE.key = previous
 
 
+def accumulate(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Add each gradient into its parameter through autograd (its accumulation and hooks run), one
+    call for all; a parameter given twice (a layer run twice) gets the sum."""
+    summed: dict[int, list] = {}
+    for param, grad in pairs:
+        if id(param) in summed:
+            summed[id(param)][1] = summed[id(param)][1] + grad
+        else:
+            summed[id(param)] = [param, grad]
+    if summed:
+        torch.autograd.backward([p for p, _ in summed.values()], [g for _, g in summed.values()])
+
+
 def _weight_grads(x: torch.Tensor, grad: torch.Tensor, has_bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """F.linear's weight and bias gradients, by the operations its autograd uses (the same bits)."""
     x2, g2 = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
@@ -103,14 +118,13 @@ class _SplittableLinear(torch.autograd.Function):
         grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
         leaf_weight, leaf_bias = ctx.params
 
-        def job() -> None:
+        def job() -> list[tuple[torch.Tensor, torch.Tensor]]:
             grad_w, grad_b = _weight_grads(x, grad, leaf_bias is not None)
-            pairs = [(t, g) for t, g in ((leaf_weight, grad_w), (leaf_bias, grad_b))
-                     if t is not None and t.requires_grad]
-            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+            return [(t, g) for t, g in ((leaf_weight, grad_w), (leaf_bias, grad_b))
+                    if t is not None and t.requires_grad]
 
         if not STORE.defer(job):
-            job()  # W with B (re-entrant: the parameters' accumulation and hooks run now)
+            accumulate(job())  # W with B (re-entrant: the parameters' accumulation and hooks run now)
         return grad_x, None, None, None
 
 

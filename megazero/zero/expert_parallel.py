@@ -195,15 +195,15 @@ class ExpertParallelState:
         offloaded = [o for o in (s.optimizer_to_step(optimizer) for s in self._states) if o is not optimizer]
         return OffloadedOptimizer.joined(optimizer, offloaded) if offloaded else optimizer
 
-    def begin_micro_step(self, boundary: bool) -> None:
+    def begin_micro_step(self, boundary: bool, defer: bool = False) -> None:
         """Both states."""
         for s in self._states:
-            s.begin_micro_step(boundary)
+            s.begin_micro_step(boundary, defer)
 
-    def after_backward(self, boundary: bool) -> None:
+    def after_backward(self, boundary: bool, defer: bool = False) -> None:
         """Both states."""
         for s in self._states:
-            s.after_backward(boundary)
+            s.after_backward(boundary, defer)
 
     def reduce_gradients(self) -> None:
         """Finish both states' reductions."""

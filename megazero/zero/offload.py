@@ -467,13 +467,13 @@ class OffloadedState:
         """An OffloadedOptimizer: `optimizer` stepped sub-group by sub-group."""
         return OffloadedOptimizer(optimizer, [self])
 
-    def begin_micro_step(self, boundary: bool) -> None:
+    def begin_micro_step(self, boundary: bool, defer: bool = False) -> None:
         """As the wrapped state."""
-        self.inner.begin_micro_step(boundary)
+        self.inner.begin_micro_step(boundary, defer)
 
-    def after_backward(self, boundary: bool) -> None:
+    def after_backward(self, boundary: bool, defer: bool = False) -> None:
         """As the wrapped state."""
-        self.inner.after_backward(boundary)
+        self.inner.after_backward(boundary, defer)
 
     def reduce_gradients(self) -> None:
         """As the wrapped state; swapped gradients: their writes are waited for."""

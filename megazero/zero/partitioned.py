@@ -166,14 +166,15 @@ class PartitionedState(MasterPartitions, PartitionCheckpoint):
         """Buckets over all param groups."""
         return sum(part.grads.bucket_count for part in self.parts)
 
-    def begin_micro_step(self, boundary: bool) -> None:
-        """Stage 1 communicates on the boundary only; stage 2 on every micro-step."""
+    def begin_micro_step(self, boundary: bool, defer: bool = False) -> None:
+        """Stage 1 communicates on the boundary only; stage 2 on every micro-step; neither when the
+        gradients are deferred (stage 2 then keeps them in its staging buffers until the step)."""
         for part in self.parts:
-            part.grads.sync_this_micro_step = boundary or self.stage == 2
+            part.grads.sync_this_micro_step = (boundary or self.stage == 2) and not defer
 
-    def after_backward(self, boundary: bool) -> None:
+    def after_backward(self, boundary: bool, defer: bool = False) -> None:
         """Stage 2: finish this micro-step's reduce-scatter, so the staging buffers are free again."""
-        if self.stage == 2 and not boundary:
+        if self.stage == 2 and not boundary and not defer:
             for part in self.parts:
                 part.grads.finish_reduction()
 

@@ -129,11 +129,14 @@ class DataParallelState(Protocol):
         """The optimizer the engine steps, given the one built over optimizer_groups(): that one
         itself, or a wrapper that steps it (optimizer offload: sub-group by sub-group)."""
 
-    def begin_micro_step(self, boundary: bool) -> None:
-        """Before a backward; `boundary`: this micro-step ends the accumulation window."""
+    def begin_micro_step(self, boundary: bool, defer: bool = False) -> None:
+        """Before a backward; `boundary`: this micro-step ends the accumulation window; `defer`: its
+        gradients start no reduction and are reduced with the window's in reduce_gradients() (a
+        zero-bubble pipeline schedule, whose weight gradients arrive after the backward)."""
 
-    def after_backward(self, boundary: bool) -> None:
-        """After a backward (finish what this micro-step must, e.g. free staging buffers)."""
+    def after_backward(self, boundary: bool, defer: bool = False) -> None:
+        """After a backward (finish what this micro-step must, e.g. free staging buffers); `defer` as
+        given to begin_micro_step."""
 
     def reduce_gradients(self) -> None:
         """At the boundary: finish every reduction; this rank then holds its reduced gradients."""

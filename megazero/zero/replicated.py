@@ -91,11 +91,12 @@ class ReplicatedState:
         """How many buckets the gradient buffer is cut into."""
         return self.grads.bucket_count
 
-    def begin_micro_step(self, boundary: bool) -> None:
-        """Communicate during this backward only on the accumulation boundary (never with local gradients)."""
-        self.grads.sync_this_micro_step = boundary and not self.local_gradients
+    def begin_micro_step(self, boundary: bool, defer: bool = False) -> None:
+        """Communicate during this backward only on the accumulation boundary (never with local
+        gradients, nor deferred ones)."""
+        self.grads.sync_this_micro_step = boundary and not (self.local_gradients or defer)
 
-    def after_backward(self, boundary: bool) -> None:
+    def after_backward(self, boundary: bool, defer: bool = False) -> None:
         """Nothing to do between micro-steps: gradients accumulate locally."""
 
     def reduce_gradients(self) -> None:

@@ -284,11 +284,15 @@ class ShardedState(MasterPartitions, PartitionCheckpoint):
         """Reduce-scatters per micro-step (buckets of reduce_bucket_size elements)."""
         return self.grads.bucket_count
 
-    def begin_micro_step(self, boundary: bool) -> None:
-        """Stage 3 reduce-scatters every micro-step, boundary or not."""
+    def begin_micro_step(self, boundary: bool, defer: bool = False) -> None:
+        """Stage 3 reduce-scatters every micro-step, boundary or not (ValueError for `defer`: its
+        gradients leave the parameters as they arrive)."""
+        if defer:
+            raise ValueError("ZeRO stage 3 reduce-scatters each gradient as it arrives: it cannot defer a "
+                             "micro-step's reduction (use stage 0, 1 or 2)")
         self.grads.start_micro_step()
 
-    def after_backward(self, boundary: bool) -> None:
+    def after_backward(self, boundary: bool, defer: bool = False) -> None:
         """Finish this micro-step's reduce-scatters and free any unit still gathered."""
         if not boundary:
             self.reduce_gradients()

@@ -1,6 +1,7 @@
 """The MoE GPT recipe (configs/gpt2_moe_cpu.json, 4 experts, top-2) at EP=2 and
-zero_optimization.stage 3 on 2 gloo ranks logs the losses of 1 rank at stage 0, with dropout 0.1 on
-layout-invariant masks (an engine JSON with dropout_masks.layout_invariant); its checkpoint
+zero_optimization.stage 3 on 2 gloo ranks logs the losses of 1 rank at stage 0 (whose micro-batch
+holds the EP group's samples, as the auxiliary losses need: docs/parallelism.md), with dropout 0.1
+on layout-invariant masks (an engine JSON with dropout_masks.layout_invariant); its checkpoint
 continues on 1 rank at stage 0 exactly as the 1-rank checkpoint does, and generates text."""
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ def _losses(tmp_path, name: str) -> list[float]:
 
 
 def test_moe_recipe_at_ep2_zero3_logs_the_one_rank_losses_and_continues_on_one_rank(corpus_prefix, tmp_path):
-    one, ep2 = finish(_gpt(tmp_path, "one", 0, 1, "--train-iters", "4", "--save", str(tmp_path / "one"),
-                           "--save-interval", "4"),
+    # one rank runs the EP group's samples (2 ranks x 4) as one micro-batch: the auxiliary losses cover them together
+    one, ep2 = finish(_gpt(tmp_path, "one", 0, 1, "--train-iters", "4", "--micro-batch-size", "8", "--save",
+                           str(tmp_path / "one"), "--save-interval", "4"),
                       _gpt(tmp_path, "ep2", 3, 2, "--expert-model-parallel-size", "2", "--train-iters", "4",
                            "--save", str(tmp_path / "ep2"), "--save-interval", "4"))
     assert re.search(r"^GPT: .* DP 2 \(EP 2\), .*, ZeRO-3$", ep2, re.MULTILINE), ep2[:3000]
@@ -57,8 +59,9 @@ def test_moe_recipe_at_ep2_zero3_logs_the_one_rank_losses_and_continues_on_one_r
     # both checkpoints continue on 1 rank at stage 0 with the same next losses; the EP=2 ZeRO-3 one generates
     generate = start([sys.executable, os.path.join(REPO, "scripts", "generate.py"), "--load", str(tmp_path / "ep2"),
                       "--prompt", "ROMEO:", "--max-new-tokens", "4"], tmp_path)
-    *resumed, generated = finish(*(_gpt(tmp_path, f"resume_{name}", 0, 1, "--train-iters", "6", "--load",
-                                        str(tmp_path / name)) for name in ("one", "ep2")), generate)
+    *resumed, generated = finish(*(_gpt(tmp_path, f"resume_{name}", 0, 1, "--train-iters", "6",
+                                        "--micro-batch-size", "8", "--load", str(tmp_path / name))
+                                   for name in ("one", "ep2")), generate)
     for out in resumed:
         assert "resumed from" in out, out
     assert "ROMEO:" in generated, generated[-2000:]

@@ -210,3 +210,19 @@ def test_megatrons_document_flags_give_the_samples_packing():
     run = _parse("--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss")
     assert run.data.document_packing(eod=3) == DocumentPacking(3, True, True, True)
     assert not _parse().data.document_packing(eod=3).enabled
+
+
+def test_a_warm_up_longer_than_the_run_warns():
+    """--train-iters shorter than the engine JSON's warm-up: the run would never leave it."""
+    import warnings
+
+    from megazero.config.run import _follow_schedule
+
+    engine = {"scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 25, "total_num_steps": 500}}}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _follow_schedule(engine, 10, None)
+        _follow_schedule({"scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 5}}}, 10, None)
+    assert [str(w.message)[:68] for w in caught] == [
+        "scheduler.params.warmup_num_steps 25 (the engine JSON's) >= --train-"]
+    assert engine["scheduler"]["params"]["total_num_steps"] == 10
