@@ -154,11 +154,13 @@ def render_bubbles(r: dict) -> str:
     def label(name, row):
         if row["pp"] == 1:
             return f"DP={r['world']}, batch {row.get('batch')}"
+        schedule = row.get("schedule", "1f1b")
         return (f"PP={row['pp']}, m={row['micro_batches']}, v={row.get('chunks')} "
-                f"({row.get('split')}, {row.get('transport')})")
+                f"({row.get('split')}, {row.get('transport')}{'' if schedule == '1f1b' else ', ' + schedule})")
     cols = [Col("tokens/s", "tokens_per_s"), Col("vs DP", "ratio_to_dp", ratio),
             Col("blocked in p2p (mean)", "bubble_measured", ratio),
             Col("(p-1)/(vm+p-1)", "theory_fraction_of_step", ratio),
+            Col("formula with measured F, B, W", "theory_with_measured_costs", ratio),
             Col("busy s/step per rank", "busy_s_per_step", lambda v: num(v, 2))]
     return rows_table(r["rows"], cols, "layout", {n: label(n, row) for n, row in r["rows"].items()})
 
@@ -358,8 +360,10 @@ SECTIONS = [
             "Llama at DP=2 and TP=2, on 2 gloo ranks from the same seed and batches, alternating trials: tokens/s, "
             "parameter bytes per rank and the measured pipeline bubble next to 1F1B's.", render_parallel),
     Section("parallel_bubbles_pp2", "Pipeline bubbles, PP=2", "bench_parallel.py",
-            "PP=2 with m = 4, 8, 16 micro-batches, plain 1F1B and interleaved, next to DP=2 on the same global "
-            "batch: the time blocked in p2p exchanges against (p - 1) / (vm + p - 1).", render_bubbles,
+            "PP=2 with m = 4, 8, 16 micro-batches, plain 1F1B, zero-bubble ZB-H1 and interleaved, next to DP=2 on "
+            "the same global batch: the time blocked in p2p exchanges against (p - 1) / (vm + p - 1) and, for v=1, "
+            "against the bubble formula with the row's measured F, B and W times (1F1B (p-1)(F+B+W), ZB-H1 "
+            "(p-1)(F+B-W)).", render_bubbles,
             how="--bubbles 2"),
     Section("parallel_bubbles_pp4", "Pipeline bubbles, PP=4", "bench_parallel.py",
             "The same at PP=4 on 4 processes.", render_bubbles, how="--bubbles 4"),
