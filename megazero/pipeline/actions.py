@@ -179,23 +179,35 @@ def check_schedule(schedule: Schedule, max_in_flight: list[int] | None = None,
                     if (kind, c, micro) not in seen:
                         raise InvalidSchedule(f"rank {r}: {Action(kind, c, micro)} is missing")
     done: set[tuple[str, int, int]] = set()
-    position, in_flight, deferred = [0] * p, [0] * p, [0] * p
+    in_flight, deferred = [0] * p, [0] * p
     splits = [schedule.split_backward(r) for r in range(p)]
+
+    def run(r: int, i: int, a: Action) -> bool:
+        if any(need not in done for need in _needs(schedule, r, a)):
+            return False
+        in_flight[r] += {F: 1, B: -1}.get(a.kind, 0)
+        deferred[r] += 1 if a.kind == B and (a.chunk, a.micro) in splits[r] else -1 if a.kind == W else 0
+        for count, bound, what in ((in_flight, max_in_flight, "micro-batches' activations"),
+                                   (deferred, max_deferred, "weight gradients pending")):
+            if bound is not None and count[r] > bound[r]:
+                raise InvalidSchedule(f"rank {r} position {i}: after {a} it holds {count[r]} {what}, over the "
+                                      f"bound {bound[r]}")
+        done.add((a.kind, schedule.virtual_stage(r, a.chunk), a.micro))
+        return True
+
+    _replay(schedule, run)
+
+
+def _replay(schedule: Schedule, run: Callable[[int, int, Action], bool]) -> None:
+    """Go through every rank's actions in order, the ranks taking turns: run(rank, position, action)
+    does one and returns True, or False when what it needs is not done yet (the rank waits); an
+    InvalidSchedule naming each rank's next action when no rank can go on."""
+    p = schedule.num_stages
+    position = [0] * p
     while any(position[r] < len(schedule.ranks[r]) for r in range(p)):
         progressed = False
         for r in range(p):
-            while position[r] < len(schedule.ranks[r]):
-                a = schedule.ranks[r][position[r]]
-                if any(need not in done for need in _needs(schedule, r, a)):
-                    break
-                in_flight[r] += {F: 1, B: -1}.get(a.kind, 0)
-                deferred[r] += 1 if a.kind == B and (a.chunk, a.micro) in splits[r] else -1 if a.kind == W else 0
-                for count, bound, what in ((in_flight, max_in_flight, "micro-batches' activations"),
-                                           (deferred, max_deferred, "weight gradients pending")):
-                    if bound is not None and count[r] > bound[r]:
-                        raise InvalidSchedule(f"rank {r} position {position[r]}: after {a} it holds {count[r]} "
-                                              f"{what}, over the bound {bound[r]}")
-                done.add((a.kind, schedule.virtual_stage(r, a.chunk), a.micro))
+            while position[r] < len(schedule.ranks[r]) and run(r, position[r], schedule.ranks[r][position[r]]):
                 position[r] += 1
                 progressed = True
         if not progressed:
@@ -223,26 +235,21 @@ def simulate(schedule: Schedule, forward: float, backward: float, weight: float,
     too), a W `weight`, and a message arriving `latency` after the action that sends it ends."""
     p = schedule.num_stages
     finished: dict[tuple[str, int, int], tuple[int, float]] = {}  # (kind, virtual, micro) -> (rank, end)
-    clock, busy, position = [0.0] * p, [0.0] * p, [0] * p
+    clock, busy = [0.0] * p, [0.0] * p
     splits = [schedule.split_backward(r) for r in range(p)]
-    while any(position[r] < len(schedule.ranks[r]) for r in range(p)):
-        progressed = False
-        for r in range(p):
-            while position[r] < len(schedule.ranks[r]):
-                a = schedule.ranks[r][position[r]]
-                needs = _needs(schedule, r, a)
-                if any(need not in finished for need in needs):
-                    break
-                start = clock[r]
-                for need in needs:
-                    other, end = finished[need]
-                    start = max(start, end + (latency if other != r else 0.0))
-                cost = {F: forward, W: weight}.get(a.kind, backward + (0.0 if (a.chunk, a.micro) in splits[r]
-                                                                        else weight))
-                clock[r], busy[r] = start + cost, busy[r] + cost
-                finished[(a.kind, schedule.virtual_stage(r, a.chunk), a.micro)] = (r, clock[r])
-                position[r] += 1
-                progressed = True
-        if not progressed:
-            check_schedule(schedule)  # names the deadlock
+
+    def run(r: int, i: int, a: Action) -> bool:
+        needs = _needs(schedule, r, a)
+        if any(need not in finished for need in needs):
+            return False
+        start = clock[r]
+        for need in needs:
+            other, end = finished[need]
+            start = max(start, end + (latency if other != r else 0.0))
+        cost = {F: forward, W: weight}.get(a.kind, backward + (0.0 if (a.chunk, a.micro) in splits[r] else weight))
+        clock[r], busy[r] = start + cost, busy[r] + cost
+        finished[(a.kind, schedule.virtual_stage(r, a.chunk), a.micro)] = (r, clock[r])
+        return True
+
+    _replay(schedule, run)
     return Timeline(max(clock), busy)

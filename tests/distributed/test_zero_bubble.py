@@ -1,8 +1,8 @@
 """The zero-bubble H1 schedule (`pipeline.schedule: zb-h1`: backward split into B and W, the W's in
-1F1B's bubbles) trains as the single process: PP=2 at ZeRO 0, 1 and 2, TP=2 + SP x PP=2 (4 ranks),
-the GPT and the Llama, dropout 0.1 on layout-invariant masks, 10 steps of 4 micro-batches; losses
-within 1e-5 relative, weights within 2e-5; weight gradients were deferred to W's. Virtual stages are
-refused by name."""
+1F1B's bubbles) trains as the single process: PP=2 at ZeRO 0, 1 (with full recomputation) and 2,
+TP=2 + SP x PP=2 (4 ranks), the GPT and the Llama, dropout 0.1 on layout-invariant masks, 10 steps
+of 4 micro-batches; losses within 1e-5 relative, weights within 2e-5; weight gradients were deferred
+to W's. Virtual stages are refused by name."""
 
 from __future__ import annotations
 
@@ -37,9 +37,10 @@ def run_pipeline(config: dict, prefix: str, model: dict, layout: tuple[int, int]
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 def test_zb_h1_matches_single_process_and_1f1b(pools, references, token_dataset_prefix_module, family):
     model = {**MODEL, FAMILY: family}
-    for stage in (0, 1, 2):
+    for stage in (0, 1, 2):  # ZeRO-1 with full recomputation: the B recomputes, its W keeps what it made
+        overrides = {**model, "recompute_granularity": "full"} if stage == 1 else model
         for rank, result in enumerate(pools(2).run(run_pipeline, _config("zb-h1", stage),
-                                                   token_dataset_prefix_module, model, (1, 2))):
+                                                   token_dataset_prefix_module, overrides, (1, 2))):
             _assert_matches(references[family], result, f"{family} PP=2 zb-h1 ZeRO-{stage} rank {rank}")
             assert result["weight_jobs"] > 0, f"{family} rank {rank}: no weight gradient was deferred to a W"
     overrides = {**model, "sequence_parallel": True}
