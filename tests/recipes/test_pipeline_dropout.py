@@ -1,6 +1,5 @@
 """Each model keys its dropout masks per layer: the Llama and BERT recipes at PP=2 (and the Llama's
-interleaved, and the GPT's and the Llama's zero-bubble zb-h1) log the losses of the same recipe in
-one process, with dropout 0.1 (DP=1 in both, so
+interleaved and zero-bubble zb-h1) log the losses of the same recipe in one process, with dropout 0.1 (DP=1 in both, so
 every micro-batch holds the same samples; a layer's masks are the same whichever stage runs it).
 The GPT and Llama recipes share their training loop (megazero/training.py); the pipelined GPT with
 dropout, plain and interleaved, is tests/distributed/test_model_parallel.py's, BERT's interleaved
@@ -23,12 +22,12 @@ SHAPE = ("--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4
          "--train-iters", "5", "--log-interval", "1", "--eval-interval", "100", "--eval-iters", "1",
          "--save-interval", "100", "--peak-flops", "1e11")
 RECIPE_FLAGS = {"llama": ("--num-query-groups", "2", "--ffn-hidden-size", "128", "--sample-tokens", "0"),
-                "bert": (), "gpt": ("--sample-tokens", "0")}
+                "bert": ()}
 PP2 = ("--pipeline-model-parallel-size", "2")
 ZB_H1 = ("--pipeline-schedule", "zb-h1")  # 2 micro-batches per step: both in 1F1B's order, W's deferred
 CASES = [("llama", "pp2", PP2), ("bert", "pp2", PP2),
          ("llama", "pp2_interleaved", (*PP2, "--num-layers-per-virtual-pipeline-stage", "1")),
-         ("gpt", "pp2_zb_h1", (*PP2, *ZB_H1)), ("llama", "pp2_zb_h1", (*PP2, *ZB_H1))]
+         ("llama", "pp2_zb_h1", (*PP2, *ZB_H1))]
 
 
 def _start(recipe: str, data_path: str, tmp_path, name: str, nproc: int, layout: tuple[str, ...]) -> subprocess.Popen:
