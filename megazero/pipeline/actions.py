@@ -133,7 +133,7 @@ def zero_bubble_h1(p: int, m: int, forward: float = 1.0, backward: float = 1.0, 
 
 
 SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {"1f1b": one_f_one_b, "zb-h1": zero_bubble_h1}
-SPLIT_SCHEDULES = ("zb-h1",)  # run by megazero.pipeline.zero_bubble (the others by schedule.py, interleaved.py)
+SPLIT_SCHEDULES = ("zb-h1",)  # run by megazero.pipeline.schedule.run_in_1f1b_order with their W's
 
 
 # ---- validity ----------------------------------------------------------------------------------

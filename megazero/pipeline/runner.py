@@ -21,8 +21,7 @@ from megazero.pipeline.actions import SCHEDULES, SPLIT_SCHEDULES, Schedule
 from megazero.pipeline.chunks import MODEL_CHUNK, model_chunks
 from megazero.pipeline.interleaved import interleaved_one_f_one_b
 from megazero.pipeline.p2p import StageLinks, input_shapes
-from megazero.pipeline.schedule import one_f_one_b
-from megazero.pipeline.zero_bubble import run_split_one_f_one_b
+from megazero.pipeline.schedule import one_f_one_b, run_in_1f1b_order
 from megazero.precision import cast_floating
 from megazero.step_state import StepState
 from megazero.tensor_parallel.weight_grad import STORE, deferring, splittable
@@ -149,8 +148,8 @@ class PipelineRunner:
         stage, stages, micro = grid.pp_rank, grid.pipeline_model_parallel_size, len(batches)
         forward_only = backward_step is None
         if split is not None and not forward_only:
-            run_split_one_f_one_b(split, stage, links, lambda m, x: forward_step(0, m, x),
-                                  lambda m, y, g: backward_step(0, m, y, g), self._weights)
+            run_in_1f1b_order(split, stage, links, lambda m, x: forward_step(0, m, x),
+                              lambda m, y, g: backward_step(0, m, y, g), self._weights)
         elif num_chunks > 1:
             interleaved_one_f_one_b(micro, stage, stages, num_chunks, links, forward_step, backward_step,
                                     forward_only)

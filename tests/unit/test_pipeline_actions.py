@@ -21,7 +21,7 @@ from megazero.pipeline.actions import (
     simulate,
     zero_bubble_h1,
 )
-from megazero.pipeline.zero_bubble import _weights_after
+from megazero.pipeline.schedule import _weights_after
 
 
 def _bounds(p: int) -> list[int]:
