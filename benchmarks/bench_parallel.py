@@ -22,8 +22,12 @@ parameters end in _<method>; each row records every rank's layers; at v = 2 the 
 measured splits are chosen for the row's m, as a recipe's are for its gradient accumulation steps).
 --transports shm backend: each PP row through shared memory and through gloo, side by side in one
 run (pipeline.p2p_transport; the rows of the second end in _backend). --schedules (default 1f1b
-zb-h1): each v=1 PP row also under the zero-bubble H1 schedule (rows ending in _zbh1), with the
-bubble formula from the row's measured F, B and W times per micro-batch beside it.
+zb-h1 zbv): each v=1 PP row also under the zero-bubble H1 schedule (rows ending in _zbh1) and, where
+m >= 2p, the zero-bubble V schedule (two chunks per stage in a V: rows ending in _zbv), with the
+bubble from the row's measured F, B and W times per micro-batch beside it (1F1B's and ZB-H1's
+formulas; ZBV's schedule simulated with those costs, megazero.pipeline.actions.simulate). Every row
+also gives each rank's peak activation memory over one more step (megazero.profiling.memory.
+PeakActivationMeter: what the rank keeps for backward at once, pending W inputs included).
 Writes benchmarks/results/parallel_bubbles_pp{WORLD}.json.
 """
 
@@ -45,6 +49,8 @@ from benchmarks.record import write_result
 from megazero import parallel_state
 from megazero.data import GPTDataset, IndexedDataset
 from megazero.pipeline import bubble_fraction, interleaved_bubble_fraction
+from megazero.pipeline.actions import simulate, zero_bubble_v
+from megazero.profiling.memory import PeakActivationMeter
 from models.gpt import GPTConfig
 from models.llama import LlamaConfig
 from models.parallelize import parallelize
@@ -80,10 +86,13 @@ def bubble_layouts(world: int, methods: tuple[str, ...] = ("parameters",), layer
             for method in methods:
                 for transport in transports:
                     for schedule in schedules if v == 1 else ("1f1b",):
+                        if schedule == "zbv" and m < 2 * world:
+                            continue  # zbv needs 2p micro-batches
                         suffix = "" if method == "parameters" else f"_{method}"
                         suffix += "" if transport == transports[0] else f"_{transport}"
                         suffix += "" if schedule == "1f1b" else f"_{schedule.replace('-', '')}"
-                        layouts[f"pp{world}_m{m}_v{v}{suffix}"] = {**common, "pp": world, "micro": 1, "chunks": v,
+                        chunks = 2 if schedule == "zbv" else v  # zbv's two chunks in a V, on the v=1 row
+                        layouts[f"pp{world}_m{m}_v{v}{suffix}"] = {**common, "pp": world, "micro": 1, "chunks": chunks,
                                                                    "split": method, "transport": transport,
                                                                    "schedule": schedule}
     # the issue's case with a shape header on every p2p message, as before the shape cache
@@ -126,8 +135,10 @@ class LayoutRun:
         stage_weights = models.parallelize.stage_weights
         models.parallelize.stage_weights = lambda *a, **k: weighed.append(stage_weights(*a, **k)) or weighed[-1]
         try:
-            model = parallelize(config, grid, config.num_layers // (pp * chunks) if chunks > 1 else None,
-                                spec["split"], num_microbatches=self.micro_batches)  # the interleaved split: for this m
+            interleaved = chunks > 1 and spec["schedule"] != "zbv"
+            model = parallelize(config, grid, config.num_layers // (pp * chunks) if interleaved else None,
+                                spec["split"], num_microbatches=self.micro_batches,  # the interleaved split: for this m
+                                pipeline_schedule=spec["schedule"])
         finally:
             models.parallelize.stage_weights = stage_weights
         self.weights = weighed[0] if weighed else None
@@ -179,13 +190,18 @@ def worker(rank: int, world: int, port: int, args, queue) -> None:
             start = time.perf_counter()
             losses[name] += [run.step() for _ in range(args.steps)]
             times[name].append(time.perf_counter() - start)
+    peaks = {}  # one more step of each: the most activation bytes a rank keeps for backward at once
+    for name, run in runs.items():
+        with PeakActivationMeter(exclude=run.engine.module.parameters()) as meter:
+            losses[name].append(run.step())
+        peaks[name] = meter.peak
     bubbles = {name: run.schedule and 1 - run.busy / run.schedule for name, run in runs.items()}
     blocked = {name: run.schedule and run.p2p / run.schedule for name, run in runs.items()}
     busy = {name: run.busy / (args.trials * args.steps) for name, run in runs.items()}
     compute = {name: {n: t / (args.trials * args.steps) for n, t in run.compute.items()} for name, run in runs.items()}
     gathered = [None] * world
     dist.all_gather_object(gathered, {"bubble": bubbles, "blocked": blocked, "busy": busy, "losses": losses,
-                                      "compute": compute,
+                                      "compute": compute, "activation_peak": peaks,
                                       "param_bytes": {n: r.param_bytes for n, r in runs.items()},
                                       "layers": {n: r.layers for n, r in runs.items()},
                                       "weights": {n: r.weights for n, r in runs.items()}})
@@ -217,9 +233,9 @@ def main() -> None:
     parser.add_argument("--transports", nargs="+", choices=["auto", "backend", "shm"], default=["auto"],
                         help="--bubbles: the pipeline.p2p_transport of each PP row (rows of all but the first end "
                              "in _<transport>; default: auto, which is shm here)")
-    parser.add_argument("--schedules", nargs="+", choices=["1f1b", "zb-h1"], default=["1f1b", "zb-h1"],
+    parser.add_argument("--schedules", nargs="+", choices=["1f1b", "zb-h1", "zbv"], default=["1f1b", "zb-h1", "zbv"],
                         help="--bubbles: the pipeline.schedule of each v=1 PP row (rows of all but 1f1b end in "
-                             "_<schedule>; default: both)")
+                             "_<schedule>; default: all three)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.bubbles:
@@ -273,6 +289,17 @@ def main() -> None:
     write_result("parallel", {"rows": rows}, args=args, out=args.out)
 
 
+def measured_cost_bubble(schedule: str, p: int, m: int, f: float, b: float, w: float) -> float:
+    """The bubble as a fraction of the step for F, B and W seconds per micro-batch (a whole stage's):
+    1F1B (p - 1)(F + B + W), ZB-H1 (p - 1)(F + B - W) (the DualPipe README's formulas), ZBV its
+    schedule simulated with half of each per chunk."""
+    if schedule == "zbv":
+        timeline = simulate(zero_bubble_v(p, m), f / 2, b / 2, w / 2)
+        return 1 - m * (f + b + w) / timeline.makespan
+    bubble = (p - 1) * ((f + b + w) if schedule == "1f1b" else (f + b - w))
+    return bubble / (m * (f + b + w) + bubble)
+
+
 def bubbles_main(args) -> None:
     """--bubbles: DP and PP (v = 1, 2) at m = 4, 8, 16 on args.bubbles ranks, alternating trials."""
     world = args.bubbles
@@ -293,7 +320,8 @@ def bubbles_main(args) -> None:
         row = {**spec, "micro_batches": result["micro_batches"][name],
                "tokens_per_s": statistics.median(tokens / t for t in result["times"][name]),
                "ratio_to_dp": statistics.median(b / t for b, t in zip(result["times"][base], result["times"][name])),
-               "busy_s_per_step": [r["busy"][name] for r in ranks]}
+               "busy_s_per_step": [r["busy"][name] for r in ranks],
+               "activation_peak_mb_per_rank": [r["activation_peak"][name] / 2 ** 20 for r in ranks]}
         if spec["pp"] > 1:
             p, v, m = spec["pp"], spec["chunks"], row["micro_batches"]
             row["blocked_in_p2p"] = [r["blocked"][name] for r in ranks]
@@ -303,16 +331,16 @@ def bubbles_main(args) -> None:
             row["not_computing"] = statistics.mean(r["bubble"][name] for r in ranks)
             row["theory_over_ideal"] = interleaved_bubble_fraction(p, m, v)
             row["theory_fraction_of_step"] = (p - 1) / (v * m + p - 1)
-            if v == 1:  # the formulas with this row's own F, B and W per micro-batch (mean over ranks)
+            if v == 1 or spec["schedule"] == "zbv":  # the bubble with this row's own F, B and W per micro-batch
                 f, b, w = (statistics.mean(r["compute"][name][n] for r in ranks) / m for n in COMPUTE)
                 row["f_b_w_seconds"] = [f, b, w]
-                bubble = (p - 1) * ((f + b + w) if spec["schedule"] == "1f1b" else (f + b - w))
-                row["theory_with_measured_costs"] = bubble / (m * (f + b + w) + bubble)
+                row["theory_with_measured_costs"] = measured_cost_bubble(spec["schedule"], p, m, f, b, w)
         rows[name] = row
     print(f"recipe GPT at {args.num_layers} layers, hidden {config.hidden_size} (vocab 8192), {world} gloo ranks x 1 "
           f"thread, fp32, micro-batches of 1 x {seq} tokens, {args.trials} alternating trials of {args.steps} steps")
     print(f"{'layout':<24}{'tokens/s':>10}{'vs DP':>8}{'blocked in p2p':>16}{'not computing':>15}"
-          f"{'(p-1)/(vm)':>12}{'(p-1)/(vm+p-1)':>16}{'F,B,W formula':>15}  busy s/step, blocked per rank")
+          f"{'(p-1)/(vm)':>12}{'(p-1)/(vm+p-1)':>16}{'F,B,W formula':>15}{'act. MB':>9}  busy s/step, blocked per "
+          f"rank")
     for row in rows.values():
         if row["pp"] == 1:
             label, cells = f"DP={world} b={row['batch']}", f"{'-':>16}{'-':>15}{'-':>12}{'-':>16}{'-':>15}"
@@ -328,10 +356,13 @@ def bubbles_main(args) -> None:
                                                                    else f"{'-':>15}"))
         busy = " ".join(f"{b:.2f}" for b in row["busy_s_per_step"])
         busy += "  " + " ".join(f"{b:.3f}" for b in row.get("blocked_in_p2p", []))
-        print(f"{label:<24}{row['tokens_per_s']:>10,.0f}{row['ratio_to_dp']:>8.3f}{cells}  {busy}")
+        peak = f"{max(row['activation_peak_mb_per_rank']):>9.1f}"
+        print(f"{label:<24}{row['tokens_per_s']:>10,.0f}{row['ratio_to_dp']:>8.3f}{cells}{peak}  {busy}")
     print("blocked in p2p: time in the pipeline's exchanges / schedule time (mean over ranks); not computing: "
           "1 - (forward + backward) / schedule time; F,B,W formula: the bubble as a fraction of the step from the "
-          "row's measured F, B and W per micro-batch, 1F1B (p-1)(F+B+W), ZB-H1 (p-1)(F+B-W)")
+          "row's measured F, B and W per micro-batch, 1F1B (p-1)(F+B+W), ZB-H1 (p-1)(F+B-W), ZBV its schedule "
+          "simulated; act. MB: the most activation memory a rank keeps for backward at once (largest rank; a split "
+          "backward's pending W inputs included)")
     out = args.out or os.path.join(REPO, "benchmarks", "results", f"parallel_bubbles_pp{world}.json")
     write_result(f"parallel_bubbles_pp{world}", {"world": world, "rows": rows}, args=args, out=out)
 

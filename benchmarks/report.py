@@ -161,6 +161,7 @@ def render_bubbles(r: dict) -> str:
             Col("blocked in p2p (mean)", "bubble_measured", ratio),
             Col("(p-1)/(vm+p-1)", "theory_fraction_of_step", ratio),
             Col("formula with measured F, B, W", "theory_with_measured_costs", ratio),
+            Col("peak activations MB per rank", "activation_peak_mb_per_rank", lambda v: num(v, 1)),
             Col("busy s/step per rank", "busy_s_per_step", lambda v: num(v, 2))]
     return rows_table(r["rows"], cols, "layout", {n: label(n, row) for n, row in r["rows"].items()})
 
@@ -360,10 +361,10 @@ SECTIONS = [
             "Llama at DP=2 and TP=2, on 2 gloo ranks from the same seed and batches, alternating trials: tokens/s, "
             "parameter bytes per rank and the measured pipeline bubble next to 1F1B's.", render_parallel),
     Section("parallel_bubbles_pp2", "Pipeline bubbles, PP=2", "bench_parallel.py",
-            "PP=2 with m = 4, 8, 16 micro-batches, plain 1F1B, zero-bubble ZB-H1 and interleaved, next to DP=2 on "
-            "the same global batch: the time blocked in p2p exchanges against (p - 1) / (vm + p - 1) and, for v=1, "
-            "against the bubble formula with the row's measured F, B and W times (1F1B (p-1)(F+B+W), ZB-H1 "
-            "(p-1)(F+B-W)).", render_bubbles,
+            "PP=2 with m = 4, 8, 16 micro-batches, plain 1F1B, zero-bubble ZB-H1 and ZBV, and interleaved, next to "
+            "DP=2 on the same global batch: the time blocked in p2p exchanges against (p - 1) / (vm + p - 1) and, for "
+            "v=1 and ZBV, against the bubble with the row's measured F, B and W times (1F1B (p-1)(F+B+W), ZB-H1 "
+            "(p-1)(F+B-W), ZBV its schedule simulated), and each rank's peak activation memory.", render_bubbles,
             how="--bubbles 2"),
     Section("parallel_bubbles_pp4", "Pipeline bubbles, PP=4", "bench_parallel.py",
             "The same at PP=4 on 4 processes.", render_bubbles, how="--bubbles 4"),

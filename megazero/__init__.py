@@ -131,11 +131,15 @@ def _check_model_parallel(grid, config: EngineConfig) -> None:
         raise ConfigError(f"zero_optimization.stage 3 with pipeline_model_parallel_size "
                           f"{grid.pipeline_model_parallel_size}: ZeRO-3 is not supported with pipeline "
                           f"parallelism; use stage 1 or 2")
-    schedule = config.pipeline.schedule
-    if schedule == "zb-h1" and config.pipeline.num_layers_per_virtual_stage is not None:
-        raise ConfigError(f"pipeline.schedule {schedule} runs one model chunk per stage: unset "
+    schedule, pp = config.pipeline.schedule, grid.pipeline_model_parallel_size
+    if schedule in ("zb-h1", "zbv") and config.pipeline.num_layers_per_virtual_stage is not None:
+        chunks = "one model chunk" if schedule == "zb-h1" else "two model chunks in a V"
+        raise ConfigError(f"pipeline.schedule {schedule} runs {chunks} per stage: unset "
                           f"pipeline.num_layers_per_virtual_stage (--num-layers-per-virtual-pipeline-stage), or use "
                           f"1f1b for the interleaved schedule")
+    if schedule == "zbv" and config.gradient_accumulation_steps < 2 * pp:
+        raise ConfigError(f"pipeline.schedule zbv needs at least 2 x {pp} stages = {2 * pp} micro-batches per step, "
+                          f"got gradient_accumulation_steps {config.gradient_accumulation_steps}")
     if config.gradient_accumulation_steps < grid.pipeline_model_parallel_size:
         warnings.warn(f"gradient_accumulation_steps {config.gradient_accumulation_steps} (the pipeline's "
                       f"micro-batches) < {grid.pipeline_model_parallel_size} stages: most of each step is "
@@ -189,13 +193,20 @@ def _bind_orthogonalizer(optimizer, dp_state, grid) -> None:
 
 def _check_model_chunks(model: torch.nn.Module, grid, config: EngineConfig) -> None:
     """`pipeline.num_layers_per_virtual_stage`, when set, must be what the model was built with: the
-    model chunks of this stage are num_layers / (PP x it) (megazero.pipeline.ModelChunks)."""
-    from megazero.pipeline.chunks import chunk_count, model_chunks
+    model chunks of this stage are num_layers / (PP x it) (megazero.pipeline.ModelChunks); the zbv
+    schedule runs two chunks in the V layout, and no other schedule does."""
+    from megazero.pipeline.chunks import V, chunk_count, chunk_layout, model_chunks
 
     layers = config.pipeline.num_layers_per_virtual_stage
+    pp = grid.pipeline_model_parallel_size if grid is not None else 1
+    if pp > 1 and (config.pipeline.schedule == "zbv") != (chunk_layout(model) == V):
+        found = f"{len(model_chunks(model))} model chunk(s) in the {chunk_layout(model)} layout"
+        raise ConfigError(f"'pipeline.schedule'={config.pipeline.schedule!r} and the model passed to initialize() "
+                          f"has {found}: zbv runs (and only zbv runs) two chunks per stage in the v layout; build "
+                          f"the model with models.parallelize.parallelize(config, grid, "
+                          f"pipeline_schedule={config.pipeline.schedule!r})")
     if layers is None:
         return
-    pp = grid.pipeline_model_parallel_size if grid is not None else 1
     num_layers = getattr(getattr(model, "config", None), "num_layers", None)
     try:
         if num_layers is None:

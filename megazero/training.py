@@ -65,9 +65,9 @@ def start_run(run: RunConfig):
 
 def pipeline_options(run: RunConfig) -> dict:
     """models.parallelize.parallelize's pipeline arguments of the run: the layers per virtual stage,
-    the partition method (engine keys pipeline.*, which the flags set) and the micro-batches per
-    step an interleaved split is chosen for (None where the batch triad does not resolve: the engine
-    then stops on it, naming the file)."""
+    the schedule (zbv's chunks are laid out in a V), the partition method (engine keys pipeline.*,
+    which the flags set) and the micro-batches per step an interleaved split is chosen for (None
+    where the batch triad does not resolve: the engine then stops on it, naming the file)."""
     pipeline = run.engine_config().pipeline
     engine = run.engine
     dp = run.parallel.data_parallel_size(dist.get_world_size()) if dist.is_initialized() else 1
@@ -77,7 +77,8 @@ def pipeline_options(run: RunConfig) -> dict:
     except ConfigError:
         micro = None
     return {"num_layers_per_virtual_stage": pipeline.num_layers_per_virtual_stage,
-            "partition_method": pipeline.partition_method or "parameters", "num_microbatches": micro}
+            "partition_method": pipeline.partition_method or "parameters", "num_microbatches": micro,
+            "pipeline_schedule": pipeline.schedule}
 
 
 def build_engine(run: RunConfig, model: torch.nn.Module, train_data, lr_scheduler=None):
@@ -232,6 +233,8 @@ def pipeline_split(model: torch.nn.Module, grid, method: str, transport: str | N
     everyone = [None] * stages
     dist.all_gather_object(everyone, (mine, way), group=grid.pp_group)
     shape = f"{stages} stages x {len(chunks)} model chunks" if len(chunks) > 1 else f"{stages} stages"
+    if isinstance(model, ModelChunks) and model.layout != "loop":
+        shape += f" in a {model.layout.upper()}"
     ways = {w for _, w in everyone}
     p2p = "shared memory" if ways == {"shm"} else "the process group" if ways == {"backend"} else \
         "shared memory and the process group"

@@ -32,6 +32,7 @@ from megazero.moe import MoELayer, attached_aux_loss
 from megazero.ops.cuda_ops import bias_gelu
 from megazero.tensor_parallel import invariant_dropout as keyed
 from megazero.tensor_parallel.random import layer_stream
+from megazero.tensor_parallel.weight_grad import linear as splittable_linear
 from models.common import (
     PLAIN,
     AttentionCore,
@@ -276,7 +277,8 @@ class GPT(StageContract, CausalLMGeneration, nn.Module):
             x = tp.gather_from_sequence_parallel_region(x, self.tp_group)
         else:
             x = tp.copy_to_tensor_parallel_region(x, self.tp_group)
-        logits = F.linear(x, self.wte.weight)  # this TP rank's slice of the (padded) vocabulary
+        # this TP rank's slice of the (padded) vocabulary; a zero-bubble schedule may defer its weight gradient
+        logits = splittable_linear(x, self.wte.weight)
         vocab = self.config.vocab_size
         if labels is None:
             return tp.gather_from_tensor_parallel_region(logits, self.tp_group)[..., :vocab]

@@ -40,8 +40,9 @@ import torch.nn as nn
 
 from megazero import tensor_parallel as tp
 from megazero.meta_device import skeleton
+from megazero.model_contract import tied_parameters
 from megazero.parallel_state import ParallelGrid
-from megazero.pipeline.chunks import ModelChunks, chunk_count, chunk_stage
+from megazero.pipeline.chunks import LOOP, ModelChunks, V, chunk_count, chunk_stage
 from megazero.pipeline.partition import (
     PARTITION_METHODS,
     balanced_stage_layers,
@@ -233,28 +234,44 @@ def _check_grid(config: ModelConfig, grid: ParallelGrid) -> None:
 
 def build_chunks(config: ModelConfig, stage: int, num_stages: int, num_chunks: int, tp_group=None,
                  ep_group=None, partition_method: str = "parameters",
-                 split: list[range] | None = None, speed_options: bool = False, cp_group=None) -> ModelChunks:
-    """Stage `stage`'s model chunks for the interleaved schedule: chunk c is virtual stage c * p +
-    stage of the model split into p * v stages (balanced as stage_layers, by partition_method; or
-    `split`, the p * v virtual stages' layers, where the caller split already); speed_options: as
-    build_stage's.
-    Each chunk is built from the same generator state, so it draws the seeds a whole model does."""
+                 split: list[range] | None = None, speed_options: bool = False, cp_group=None,
+                 layout: str = LOOP) -> ModelChunks:
+    """Stage `stage`'s model chunks: chunk c is virtual stage chunk_stage(c, stage, p, layout) of the
+    model split into p * v stages (LOOP: c * p + stage, the interleaved schedule's; V: stage and
+    2p - 1 - stage, zbv's), balanced as stage_layers, by partition_method; or `split`, the p * v
+    virtual stages' layers, where the caller split already; speed_options: as build_stage's.
+    Each chunk is built from the same generator state, so it draws the seeds a whole model does.
+    Where one stage holds both the first and the last part (V), its two chunks share the word
+    embedding the output layer is tied to, as the whole model does."""
     if split is None:
         split = stage_layers(config, num_stages, partition_method, num_chunks)
     state = torch.get_rng_state()
     chunks = []
     for c in range(num_chunks):
         torch.set_rng_state(state)
-        virtual = chunk_stage(c, stage, num_stages)
+        virtual = chunk_stage(c, stage, num_stages, layout)
         chunks.append(build_stage(config, virtual, num_stages * num_chunks, tp_group, ep_group, layers=split[virtual],
                                   speed_options=speed_options, cp_group=cp_group))
-    return ModelChunks(chunks)
+    if layout == V and stage == 0:
+        _share_tied(chunks[0], chunks[-1])
+    return ModelChunks(chunks, layout)
+
+
+def _share_tied(first: nn.Module, last: nn.Module) -> None:
+    """Make the last part's copy of a tied parameter the first part's own (one stage holds both):
+    one parameter, its gradient summed by autograd as in the whole model."""
+    ours, theirs = tied_parameters(first), tied_parameters(last)
+    if not ours or not theirs:
+        return
+    name = next(n for n, p in last.named_parameters() if p is theirs[0])
+    owner, _, attribute = name.rpartition(".")
+    setattr(last.get_submodule(owner), attribute, ours[0])
 
 
 def parallelize(config: ModelConfig, grid: ParallelGrid | None = None,
                 num_layers_per_virtual_stage: int | None = None,
                 partition_method: str = "parameters", micro_batch_size: int = 1,
-                num_microbatches: int | None = None) -> torch.nn.Module:
+                num_microbatches: int | None = None, pipeline_schedule: str = "1f1b") -> torch.nn.Module:
     """This rank's module: its tensor-parallel shard of its pipeline stage of the model `config`
     describes (MODELS: GPTConfig: GPT, BertConfig: Bert, LlamaConfig: Llama), built with the
     config's recomputation and fused kernels (speed_options=True); without a grid, the whole model
@@ -265,6 +282,9 @@ def parallelize(config: ModelConfig, grid: ParallelGrid | None = None,
     model into PP x v virtual stages of that many layers (v = num_layers / (PP x it)) and give
     each rank v model chunks (megazero.pipeline.ModelChunks) for the interleaved schedule (v
     chunks of as many layers on average: the split into PP x v stages follows partition_method).
+    pipeline_schedule "zbv" (the engine config's pipeline.schedule): two model chunks per rank in
+    the V layout (rank 0 holds the first and the last of the 2 x PP parts), balanced by parameters
+    with partition_method "parameters", else by the method's weights as for 1F1B's 2 x PP stages.
 
     partition_method (the engine config's pipeline.partition_method, --pipeline-partition-method):
     "parameters" balances the stages by parameter count, "compute" by forward FLOPs, "measured" by
@@ -282,6 +302,14 @@ def parallelize(config: ModelConfig, grid: ParallelGrid | None = None,
     _check_grid(config, grid)
     pp = grid.pipeline_model_parallel_size
     num_chunks = chunk_count(config.num_layers, pp, num_layers_per_virtual_stage)
+    if pipeline_schedule == "zbv" and pp > 1:
+        if num_layers_per_virtual_stage is not None:
+            raise ValueError("pipeline_schedule zbv builds two model chunks per stage: leave "
+                             "num_layers_per_virtual_stage unset")
+        weights = stage_weights(config, partition_method, grid.tp_group, grid.ep_group, micro_batch_size)
+        split = stage_layers(config, 2 * pp, partition_method, 1, weights)
+        return build_chunks(config, grid.pp_rank, pp, 2, grid.tp_group, grid.ep_group, split=split,
+                            speed_options=True, cp_group=grid.cp_group, layout=V)
     if pp == 1:
         return build_stage(config, 0, 1, grid.tp_group, grid.ep_group, layers=range(config.num_layers),
                            speed_options=True, cp_group=grid.cp_group)

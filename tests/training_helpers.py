@@ -63,9 +63,10 @@ def build_engine(config: dict, prefix: str, seed: int = 0, model_overrides: dict
         grid = parallel_state.initialize_model_parallel(*layout, context_parallel_size=overrides.get(
             "context_parallel_size", 1))
         overrides["tensor_model_parallel_size"] = layout[0]
-    # the engine config's pipeline.partition_method, as the recipes read it
-    split = config.get("pipeline", {}).get("partition_method", "parameters")
-    model = parallelize(config_class(**{**tiny, **overrides}), grid, virtual, split)
+    # the engine config's pipeline.partition_method and schedule, as the recipes read them
+    pipeline = config.get("pipeline", {})
+    model = parallelize(config_class(**{**tiny, **overrides}), grid, virtual, pipeline.get("partition_method",
+                        "parameters"), pipeline_schedule=pipeline.get("schedule", "1f1b"))
     dataset = GPTDataset(IndexedDataset(prefix), TINY["seq_length"], seed=seed, packing=packing)
     engine, _, loader, _ = megazero.initialize(model=model, training_data=dataset, config=config,
                                                mpu=parallel_state if grid is not None else None)

@@ -334,13 +334,15 @@ class PipelineConfig(Section):
     # thread per process must get a core for every message. Each linked pair reserves two rings of
     # $MEGAZERO_P2P_SHM_RING_BYTES (64 MiB) in /dev/shm; where they do not fit (a default Docker
     # container's 64 MB) auto warns and uses the process group
-    # zb-h1 (Qi et al. 2024): 1F1B's order and memory, each backward split into B (input gradients)
-    # and W (weight gradients, megazero.tensor_parallel.weight_grad), the W's where 1F1B waits
-    schedule: Literal["1f1b", "zb-h1"] = Field(
+    # zb-h1 and zbv (Qi et al. 2024): each backward split into B (input gradients) and W (weight
+    # gradients, megazero.tensor_parallel.weight_grad); zb-h1 keeps 1F1B's order and memory with the
+    # W's where 1F1B waits, zbv runs two chunks per stage in a V (megazero.pipeline.actions)
+    schedule: Literal["1f1b", "zb-h1", "zbv"] = Field(
         "1f1b", description="the pipeline schedule (--pipeline-schedule): 1f1b (interleaved when the stages "
-                            "hold several model chunks), or zb-h1 (zero-bubble H1: backward split into input "
+                            "hold several model chunks), zb-h1 (zero-bubble H1: backward split into input "
                             "and weight gradients, the weight gradients filling 1F1B's bubbles; one chunk "
-                            "per stage, ZeRO 0-2)")
+                            "per stage), or zbv (zero-bubble V: two model chunks per stage, the first stage "
+                            "holding the first and the last; at least 2 x PP micro-batches); ZeRO 0-2")
     p2p_transport: Literal["auto", "backend", "shm"] = Field(
         "auto", description="how stages exchange activations: auto: shared memory between ranks on one host "
                             "with CPU tensors (2 x 64 MiB of /dev/shm per link), else the process group; "

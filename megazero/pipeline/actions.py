@@ -19,8 +19,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from megazero.pipeline.chunks import LOOP, V, chunk_place, chunk_stage
+
 F, B, W = "F", "B", "W"
-LOOP, V = "loop", "v"
 
 
 @dataclass(frozen=True)
@@ -54,17 +55,11 @@ class Schedule:
 
     def virtual_stage(self, rank: int, chunk: int) -> int:
         """The part of the model chunk `chunk` of `rank` holds."""
-        p = self.num_stages
-        if self.layout == V:
-            return rank if chunk == 0 else 2 * p - 1 - rank
-        return chunk * p + rank
+        return chunk_stage(chunk, rank, self.num_stages, self.layout)
 
     def place(self, virtual: int) -> tuple[int, int]:
         """(rank, chunk) holding virtual stage `virtual`."""
-        p = self.num_stages
-        if self.layout == V:
-            return (virtual, 0) if virtual < p else (2 * p - 1 - virtual, 1)
-        return virtual % p, virtual // p
+        return chunk_place(virtual, self.num_stages, self.layout)
 
     def split_backward(self, rank: int) -> set[tuple[int, int]]:
         """(chunk, micro) whose B on `rank` defers the weight gradients to a W."""
@@ -132,8 +127,69 @@ def zero_bubble_h1(p: int, m: int, forward: float = 1.0, backward: float = 1.0, 
     return Schedule("zb-h1", p, m, 1, LOOP, ranks)
 
 
-SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {"1f1b": one_f_one_b, "zb-h1": zero_bubble_h1}
-SPLIT_SCHEDULES = ("zb-h1",)  # run by megazero.pipeline.schedule.run_in_1f1b_order with their W's
+def zero_bubble_v(p: int, m: int) -> Schedule:
+    """ZB-V (Qi et al. 2024, torchtitan's ZBVZeroBubble): two chunks per rank in the V layout (rank r
+    holds virtual stages r and 2p - 1 - r, so rank 0 both ends), every backward split from its W.
+    Rank r runs 2(p - r) - 1 forwards of chunk 0, then r pairs (chunk 1's forward, chunk 0's), then
+    p - r times chunk 1's F, B and W; then, in the steady state, chunk 0's F (while any are left),
+    B and W and chunk 1's F, B and W; the cool-down runs r pairs of B's (chunk 0's, chunk 1's), then
+    p - r of chunk 0's B each with the oldest pending W of chunk 0, then the W's left. At most 2p
+    chunk micro-batches' activations per rank (F run, B not yet), each half a stage: 1F1B's p
+    micro-batches on its first stage. Needs m >= 2p (the warm-up's forwards)."""
+    if m < 2 * p:
+        raise ValueError(f"pipeline schedule zbv needs at least 2 x {p} stages = {2 * p} micro-batches "
+                         f"(gradient_accumulation_steps), got {m}")
+    return Schedule("zbv", p, m, 2, V, [_zero_bubble_v_rank(p, m, r) for r in range(p)])
+
+
+def _zero_bubble_v_rank(p: int, m: int, r: int) -> list[Action]:
+    """Rank r's actions of zero_bubble_v."""
+    order: list[Action] = []
+    count = {(F, 0): 0, (F, 1): 0, (B, 0): 0, (B, 1): 0, (W, 0): 0, (W, 1): 0}
+
+    def add(kind: str, chunk: int) -> None:
+        order.append(Action(kind, chunk, count[(kind, chunk)]))
+        count[(kind, chunk)] += 1
+
+    for _ in range(2 * (p - r) - 1):
+        add(F, 0)
+    for _ in range(r):
+        add(F, 1)
+        add(F, 0)
+    for _ in range(p - r):
+        add(F, 1)
+        add(B, 1)
+        add(W, 1)
+    while count[(F, 1)] < count[(F, 0)] or count[(F, 0)] < m:
+        if count[(F, 0)] < m:
+            add(F, 0)
+        add(B, 0)
+        add(W, 0)
+        add(F, 1)
+        add(B, 1)
+        add(W, 1)
+    for _ in range(r):
+        add(B, 0)
+        add(B, 1)
+    for _ in range(p - r):
+        add(B, 0)
+        add(W, 0)
+    for chunk in (1, 0):
+        while count[(W, chunk)] < m:
+            add(W, chunk)
+    return order
+
+
+def forward_only(p: int, m: int, num_chunks: int, layout: str) -> Schedule:
+    """Forwards alone (evaluation) on `num_chunks` chunks per rank in `layout`: each rank runs every
+    micro-batch through one chunk before the next."""
+    ranks = [[Action(F, c, i) for c in range(num_chunks) for i in range(m)] for _ in range(p)]
+    return Schedule("forward only", p, m, num_chunks, layout, ranks)
+
+
+SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {"1f1b": one_f_one_b, "zb-h1": zero_bubble_h1,
+                                                         "zbv": zero_bubble_v}
+SPLIT_SCHEDULES = ("zb-h1", "zbv")  # backwards split from their W's
 
 
 # ---- validity ----------------------------------------------------------------------------------
@@ -156,7 +212,9 @@ def _needs(schedule: Schedule, rank: int, action: Action) -> list[tuple[str, int
 def check_schedule(schedule: Schedule, max_in_flight: list[int] | None = None,
                    max_deferred: list[int] | None = None) -> None:
     """InvalidSchedule unless: every virtual stage's F and B of every micro-batch appear once, on
-    the rank holding it, and W at most once, after its B on the same rank; the ranks can run their
+    the rank holding it, and W at most once, after its B on the same rank; the F's (and the B's) of
+    a chunk in micro-batch order (each link's messages of one kind arrive in the order sent); the
+    ranks can run their
     lists without deadlock (each action after everything it needs, some rank always able to go on);
     rank r never holds more than max_in_flight[r] micro-batches' activations (F run, B not yet:
     1F1B's measure) nor more than max_deferred[r] weight gradients pending (B run, W not yet: each
@@ -173,6 +231,8 @@ def check_schedule(schedule: Schedule, max_in_flight: list[int] | None = None,
             seen[key] = i
             if a.kind == W and (B, a.chunk, a.micro) not in seen:
                 raise InvalidSchedule(f"rank {r} position {i}: {a} runs before its B")
+            if a.kind != W and a.micro and (a.kind, a.chunk, a.micro - 1) not in seen:  # the messages' order
+                raise InvalidSchedule(f"rank {r} position {i}: {a} runs before micro-batch {a.micro - 1}'s")
         for c in range(schedule.num_chunks):
             for micro in range(m):
                 for kind in (F, B):

@@ -485,6 +485,18 @@ class StageLinks:
             return None, None
         return self._timed(self._exchange_both, send_next, send_prev, recv_prev, recv_next, wait)
 
+    @watched("p2p transfer (a schedule's sends and receives)")
+    def transfer(self, sends: list[tuple[torch.Tensor, int, bool]], recvs: list[tuple[int, bool]]) -> list[Incoming]:
+        """Send each (tensor, peer, activation: True for an activation, False for a gradient) to
+        the previous or next stage (global ranks) and post a receive for each (peer, activation),
+        in one exchange; the receives come back as Incoming handles, in `recvs`' order. A pair's
+        messages must be received in the order they were sent (NCCL matches them by order alone)."""
+        def tag(activation: bool) -> int:
+            return _ACTIVATION if activation else _GRADIENT
+
+        return self._timed(self._transfer, [(t.detach().contiguous(), peer, tag(a)) for t, peer, a in sends],
+                           [(peer, tag(a)) for peer, a in recvs])
+
     @watched("p2p recv forward (the previous stage's output)")
     def recv_forward(self) -> torch.Tensor:
         """The previous stage's output (this stage's input), as a leaf that will receive a gradient."""

@@ -1,5 +1,7 @@
-"""The engine's pipelined train and eval batches: this stage's part of the 1F1B schedule
-(interleaved when the module holds several model chunks, megazero.pipeline.ModelChunks).
+"""The engine's pipelined train and eval batches: this stage's part of the pipeline schedule
+(`pipeline.schedule`): 1F1B, interleaved when the module holds several model chunks in the loop
+layout (megazero.pipeline.ModelChunks), zb-h1 (1F1B's order, split backwards), zbv (two chunks in
+the V layout, run as data by megazero.pipeline.action_runner).
 
 Every stage reads the same micro-batches; the first virtual stage feeds the inputs, later ones
 take HIDDEN_STATES from their predecessor (megazero.model_contract). The runner knows the engine
@@ -17,8 +19,10 @@ import torch.distributed as dist
 
 from megazero.model_contract import HIDDEN_STATES
 from megazero.moe.layer import attached_aux_loss
-from megazero.pipeline.actions import SCHEDULES, SPLIT_SCHEDULES, Schedule
-from megazero.pipeline.chunks import MODEL_CHUNK, model_chunks
+from megazero.pipeline.action_runner import Round, exchange_rounds, run_actions
+from megazero.pipeline.actions import SCHEDULES, SPLIT_SCHEDULES, Schedule, check_schedule
+from megazero.pipeline.actions import forward_only as forward_only_schedule
+from megazero.pipeline.chunks import LOOP, MODEL_CHUNK, V, chunk_layout, chunk_place, chunk_stage, model_chunks
 from megazero.pipeline.interleaved import interleaved_one_f_one_b
 from megazero.pipeline.p2p import StageLinks, input_shapes
 from megazero.pipeline.schedule import one_f_one_b, run_in_1f1b_order
@@ -51,6 +55,7 @@ class PipelineRunner:
         self.calls = calls
         self.shapes: dict | None = {}  # the p2p messages' shapes, kept across steps (None: no cache)
         self._schedules: dict[tuple[str, int], Schedule] = {}  # generated once per micro-batch count
+        self._rounds: dict[tuple[str, int], list[Round]] = {}  # this rank's exchanges of a V schedule
         self.weight_jobs = 0  # deferred weight gradients computed by W actions (split schedules), all steps
 
     def train_batch(self, batches: list) -> torch.Tensor:
@@ -85,31 +90,42 @@ class PipelineRunner:
         return mean.cpu()
 
     def split_schedule(self, num_microbatches: int) -> Schedule | None:
-        """The schedule with split backwards (`pipeline.schedule` zb-h1) for this many micro-batches,
-        or None (1F1B, interleaved)."""
+        """The schedule with split backwards (`pipeline.schedule` zb-h1 or zbv) for this many
+        micro-batches, or None (1F1B, interleaved)."""
         name = self.config.pipeline.schedule
         if name not in SPLIT_SCHEDULES:
             return None
         key = (name, num_microbatches)
-        if key not in self._schedules:
-            self._schedules[key] = SCHEDULES[name](self.grid.pipeline_model_parallel_size, num_microbatches)
+        if key not in self._schedules:  # generated and checked once (an InvalidSchedule is a generator's bug)
+            schedule = SCHEDULES[name](self.grid.pipeline_model_parallel_size, num_microbatches)
+            check_schedule(schedule)
+            self._schedules[key] = schedule
+            if schedule.layout == V:
+                self._rounds[key] = exchange_rounds(schedule)[self.grid.pp_rank]
         return self._schedules[key]
 
-    def _weights(self, micro: int) -> None:
-        """The W of micro-batch `micro`: the weight gradients its B deferred (timed as
-        `backward_weight`, beside the B's `backward`)."""
+    def _weights(self, chunk: int, micro: int) -> None:
+        """The W of micro-batch `micro` on model chunk `chunk`: the weight gradients its B deferred
+        (timed as `backward_weight`, beside the B's `backward`)."""
         timer = self.timers("backward_weight")
         timer.start()
         try:
-            self.weight_jobs += STORE.run((0, micro))
+            self.weight_jobs += STORE.run((chunk, micro))
         finally:
             timer.stop()
+
+    def loss_stage(self) -> int:
+        """The pipeline stage computing the loss: the one holding the last virtual stage (the first
+        stage in the V layout)."""
+        chunks = len(model_chunks(self.module))
+        p = self.grid.pipeline_model_parallel_size
+        return chunk_place(p * chunks - 1, p, chunk_layout(self.module))[0]
 
     def eval_batch(self, batch) -> torch.Tensor:
         """The last stage's loss of one batch run forward through every stage, on every rank."""
         losses = self.run([batch], None)
         loss = losses[0] if losses else torch.zeros((), dtype=torch.float32, device=self.calls.device())
-        dist.broadcast(loss, src=self.grid.pp_ranks[-1], group=self.grid.pp_group)
+        dist.broadcast(loss, src=self.grid.pp_ranks[self.loss_stage()], group=self.grid.pp_group)
         return loss
 
     def run(self, batches: list, backward_step, aux: list | None = None) -> list[torch.Tensor]:
@@ -119,11 +135,12 @@ class PipelineRunner:
         loss attached to its output (megazero.moe.attached_aux_loss)."""
         grid = self.grid
         chunks = model_chunks(self.module)
-        num_chunks = len(chunks)
-        split = self.split_schedule(len(batches))
+        num_chunks, layout = len(chunks), chunk_layout(self.module)
+        last_virtual = grid.pipeline_model_parallel_size * num_chunks - 1
+        split = None if backward_step is None else self.split_schedule(len(batches))
         # messages of shapes both sides have seen for these input shapes go without their headers
         links = StageLinks(grid.pp_ranks, grid.pp_rank, grid.pp_group, self.config.compute_dtype, self.calls.device(),
-                           self.timers, ring=num_chunks > 1, shapes=self.shapes,
+                           self.timers, ring=num_chunks > 1 and layout == LOOP, shapes=self.shapes,
                            shape_key=input_shapes(batches), transport=self.config.pipeline.p2p_transport)
         losses = []
         auto_cast = self.config.fp16.enabled and self.config.fp16.auto_cast  # the stages' inputs, as forward's
@@ -135,11 +152,11 @@ class PipelineRunner:
                 kwargs[MODEL_CHUNK] = chunk
             self.steps.pipeline_micro = m
             try:
-                with splittable(split is not None and backward_step is not None):
+                with splittable(split is not None):
                     output = self.calls.forward(**kwargs)
             finally:
                 self.steps.pipeline_micro = None
-            if grid.is_last_stage and chunk == num_chunks - 1:
+            if chunk_stage(chunk, grid.pp_rank, grid.pipeline_model_parallel_size, layout) == last_virtual:
                 losses.append(output.detach().float())
             elif aux is not None and torch.is_tensor(value := attached_aux_loss(chunks[chunk])):
                 aux.append(value.float())
@@ -147,9 +164,13 @@ class PipelineRunner:
 
         stage, stages, micro = grid.pp_rank, grid.pipeline_model_parallel_size, len(batches)
         forward_only = backward_step is None
-        if split is not None and not forward_only:
+        if layout == V:
+            schedule = forward_only_schedule(stages, micro, num_chunks, layout) if forward_only else split
+            rounds = None if forward_only else self._rounds[(split.name, micro)]
+            run_actions(schedule, stage, links, grid.pp_ranks, forward_step, backward_step, self._weights, rounds)
+        elif split is not None:
             run_in_1f1b_order(split, stage, links, lambda m, x: forward_step(0, m, x),
-                              lambda m, y, g: backward_step(0, m, y, g), self._weights)
+                              lambda m, y, g: backward_step(0, m, y, g), lambda m: self._weights(0, m))
         elif num_chunks > 1:
             interleaved_one_f_one_b(micro, stage, stages, num_chunks, links, forward_step, backward_step,
                                     forward_only)

@@ -23,6 +23,7 @@ Partitioned sizes include the padding of each bucket to a multiple of N.
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 
@@ -149,7 +150,7 @@ class ActivationMeter:
     def __init__(self):
         self.bytes = 0
         self._seen: set[int] = set()
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack_saved)
 
     def add(self, t: torch.Tensor) -> None:
         """Count `t`'s storage unless already counted (or a parameter's)."""
@@ -160,9 +161,9 @@ class ActivationMeter:
             self._seen.add(storage.data_ptr())
             self.bytes += storage.nbytes()
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+    def _pack(self, t: torch.Tensor):
         self.add(t)
-        return t
+        return _pack_saved(t)
 
     def __enter__(self) -> ActivationMeter:
         self._hooks.__enter__()
@@ -173,6 +174,83 @@ class ActivationMeter:
         ActivationMeter._active.remove(self)
         self._hooks.__exit__(*exc)
         self._seen = set()
+
+
+class _Saved:
+    """A tensor autograd saved while a PeakActivationMeter runs: counted until autograd drops it."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
+def _pack_saved(t: torch.Tensor):
+    if not PeakActivationMeter._active:
+        return t
+    saved = _Saved(t)
+    hold_for_backward([t], saved)
+    return saved
+
+
+def _unpack_saved(packed):
+    return packed.tensor if isinstance(packed, _Saved) else packed
+
+
+class PeakActivationMeter:
+    """The most bytes kept for backward at any one time while it runs: the tensors autograd saves in
+    the engine's forwards (parameters and the `exclude` tensors' storages left out), each storage
+    once while anything keeps it, and what hold_for_backward registers (a split backward's pending
+    weight-gradient inputs). A pipeline schedule's activation peak per rank:
+
+        with PeakActivationMeter(exclude=model.parameters()) as meter:
+            engine.train_batch(data)
+        meter.peak
+    """
+
+    _active: list[PeakActivationMeter] = []
+
+    def __init__(self, exclude=()):
+        self.live = self.peak = 0
+        self._holders: dict[int, list[int]] = {}  # storage pointer -> [holders, bytes]
+        self._excluded = {t.untyped_storage().data_ptr() for t in exclude}
+
+    def hold(self, t: torch.Tensor, owner: object) -> None:
+        """Count `t`'s storage while `owner` lives."""
+        if isinstance(t, torch.nn.Parameter) or t.numel() == 0 or t.device.type == "meta":
+            return
+        storage = t.untyped_storage()
+        pointer = storage.data_ptr()
+        if pointer in self._excluded:
+            return
+        entry = self._holders.setdefault(pointer, [0, storage.nbytes()])
+        if entry[0] == 0:
+            self.live += entry[1]
+            self.peak = max(self.peak, self.live)
+        entry[0] += 1
+        weakref.finalize(owner, self._release, pointer)
+
+    def _release(self, pointer: int) -> None:
+        entry = self._holders[pointer]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.live -= entry[1]
+            del self._holders[pointer]
+
+    def __enter__(self) -> PeakActivationMeter:
+        PeakActivationMeter._active.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        PeakActivationMeter._active.remove(self)
+
+
+def hold_for_backward(tensors, owner: object) -> None:
+    """Tell the running PeakActivationMeters that `tensors` are kept for backward while `owner` lives."""
+    for meter in PeakActivationMeter._active:
+        for t in tensors:
+            if t is not None:
+                meter.hold(t, owner)
 
 
 def record_activation(t: torch.Tensor) -> None:

@@ -28,6 +28,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from megazero.profiling.memory import hold_for_backward
+
 Job = Callable[[], list[tuple[torch.Tensor, torch.Tensor]]]  # -> (parameter, its gradient) pairs
 
 
@@ -123,7 +125,9 @@ class _SplittableLinear(torch.autograd.Function):
             return [(t, g) for t, g in ((leaf_weight, grad_w), (leaf_bias, grad_b))
                     if t is not None and t.requires_grad]
 
-        if not STORE.defer(job):
+        if STORE.defer(job):
+            hold_for_backward((x, grad), job)  # kept until the W: a schedule's activation memory
+        else:
             accumulate(job())  # W with B (re-entrant: the parameters' accumulation and hooks run now)
         return grad_x, None, None, None
 

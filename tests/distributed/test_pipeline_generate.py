@@ -3,7 +3,7 @@ process's: token for token when greedy (through the KV cache and past seq_length
 slides and is recomputed), and sampled with the same seed where the layout computes the same logits
 bit for bit (pure pipelining: TP's all-reduces sum in another order, so there only greedy is
 compared). Layouts on 4 gloo ranks: PP=2 x DP=2, TP=2 x PP=2, PP=2 with 2 model chunks per stage
-(interleaved, strict p2p), and a Llama at PP=2. Dropout is on in the models' configs: generation
+(interleaved, and in zbv's V: both in strict p2p), and a Llama at PP=2. Dropout is on in the models' configs: generation
 runs them in eval mode.
 
 The same pool runs scripts/generate.py pipelined (a checkpoint loaded at TP=2 x PP=2 and at PP=2;
@@ -59,7 +59,7 @@ def _layouts_generate_as_one_process() -> dict:
     prompt = torch.tensor(PROMPT)
     seen = {}
     cases = [("gpt pp2", GPT, _gpt_config(), 1, None, True), ("gpt tp2 pp2", GPT, _gpt_config(), 2, None, False),
-             ("gpt pp2 v2", GPT, _gpt_config(), 1, 1, True),
+             ("gpt pp2 v2", GPT, _gpt_config(), 1, 1, True), ("gpt pp2 zbv", GPT, _gpt_config(), 1, "zbv", True),
              ("llama pp2", Llama, LlamaConfig(vocab_size=256, seq_length=16, num_layers=2, hidden_size=32,
                                               num_attention_heads=4, num_query_groups=2, dropout=0.1,
                                               fused_kernels=False), 1, None, True)]
@@ -67,9 +67,10 @@ def _layouts_generate_as_one_process() -> dict:
         greedy, sampled = _reference(model_class, config)
         grid = parallel_state.initialize_model_parallel(tp, 2)
         torch.manual_seed(0)  # the stage's shard of the model the reference built
+        schedule = "zbv" if layers_per_chunk == "zbv" else "1f1b"  # zbv: two chunks in a V, rank 0 both ends
         module = parallelize(dataclasses.replace(config, tensor_model_parallel_size=tp), grid,
-                             layers_per_chunk).eval()
-        set_strict(layers_per_chunk is not None)  # the ring's sends wait for their receives: NCCL's order
+                             None if schedule == "zbv" else layers_per_chunk, pipeline_schedule=schedule).eval()
+        set_strict(layers_per_chunk is not None)  # the sends wait for their receives: NCCL's order
         try:
             out = pipelined_generate(module, grid, prompt, GREEDY_TOKENS, temperature=0).tolist()
             assert out == greedy, f"{name}: greedy {out} != one process's {greedy}"

@@ -1,6 +1,7 @@
 """Each model keys its dropout masks per layer: the Llama and BERT recipes at PP=2 (and the Llama's
-interleaved and zero-bubble zb-h1) log the losses of the same recipe in one process, with dropout 0.1 (DP=1 in both, so
-every micro-batch holds the same samples; a layer's masks are the same whichever stage runs it).
+interleaved, and the GPT's and the Llama's zero-bubble zbv: two chunks per stage in a V) log the losses
+of the same recipe in one process, with dropout 0.1 (DP=1 in both, so every micro-batch holds the same
+samples; a layer's masks are the same whichever stage runs it).
 The GPT and Llama recipes share their training loop (megazero/training.py); the pipelined GPT with
 dropout, plain and interleaved, is tests/distributed/test_model_parallel.py's, BERT's interleaved
 test_bert.py's."""
@@ -18,16 +19,16 @@ from tests.recipes.test_pretrain_gpt import _scalars
 pytestmark = pytest.mark.slow
 
 SHAPE = ("--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-         "--dropout", "0.1", "--global-batch-size", "8", "--micro-batch-size", "4", "--lr", "0.003",
+         "--dropout", "0.1", "--global-batch-size", "8", "--micro-batch-size", "2", "--lr", "0.003",
          "--train-iters", "5", "--log-interval", "1", "--eval-interval", "100", "--eval-iters", "1",
          "--save-interval", "100", "--peak-flops", "1e11")
 RECIPE_FLAGS = {"llama": ("--num-query-groups", "2", "--ffn-hidden-size", "128", "--sample-tokens", "0"),
-                "bert": ()}
+                "bert": (), "gpt": ()}
 PP2 = ("--pipeline-model-parallel-size", "2")
-ZB_H1 = ("--pipeline-schedule", "zb-h1")  # 2 micro-batches per step: both in 1F1B's order, W's deferred
+ZBV = ("--pipeline-schedule", "zbv")  # 4 micro-batches per step: zbv's least at PP=2; the GPT samples at the end
 CASES = [("llama", "pp2", PP2), ("bert", "pp2", PP2),
          ("llama", "pp2_interleaved", (*PP2, "--num-layers-per-virtual-pipeline-stage", "1")),
-         ("llama", "pp2_zb_h1", (*PP2, *ZB_H1))]
+         ("llama", "pp2_zbv", (*PP2, *ZBV)), ("gpt", "pp2_zbv", (*PP2, *ZBV))]
 
 
 def _start(recipe: str, data_path: str, tmp_path, name: str, nproc: int, layout: tuple[str, ...]) -> subprocess.Popen:
@@ -66,6 +67,10 @@ def test_pipeline_stages_draw_the_single_process_dropout(recipe, layout, flags, 
     one, no_dropout = one_process(recipe, data_path)
     # the control: the masks matter, so equal losses are not equal by accident
     assert max(abs(a - b) for a, b in zip(one, no_dropout)) > 1e-3
-    finish(_start(recipe, data_path, tmp_path, layout, 2, flags))
+    output = finish(_start(recipe, data_path, tmp_path, layout, 2, flags))[0]
+    if "zbv" in layout:
+        assert "pipeline: 2 stages x 2 model chunks in a V" in output
+    if recipe == "gpt":  # generated through both chunks of each stage
+        assert "----- sample -----" in output
     staged = _losses(tmp_path, layout)
     assert staged == pytest.approx(one, abs=1e-4), f"{recipe} at {layout}: {staged} vs one process {one}"

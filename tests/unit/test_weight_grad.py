@@ -58,3 +58,25 @@ def test_outside_splittable_linear_is_f_linear_and_a_non_leaf_weight_computes_w_
     with deferring("m"):
         y.sum().backward()
     assert w.grad is not None and STORE.pending == {}
+
+
+def test_peak_activation_meter_counts_saved_tensors_and_pending_w_inputs():
+    """PeakActivationMeter (bench_parallel's memory column): the saved tensors live until their
+    backward, a deferred W keeps its layer's input and output gradient until it runs."""
+    from megazero.profiling.memory import ActivationMeter, PeakActivationMeter
+
+    layer = torch.nn.Linear(256, 256, bias=False)
+    x = torch.randn(64, 256, requires_grad=True)  # 64 KiB, as each activation here
+    kib = 2 ** 10
+    with PeakActivationMeter(exclude=layer.parameters()) as meter:
+        with ActivationMeter(), splittable():
+            hidden = torch.relu(linear(x, layer.weight))  # saves x, then relu's output
+            y = linear(hidden, layer.weight)  # saves relu's output again: one storage
+        assert meter.live == 2 * 64 * kib
+        with deferring("w"):
+            y.backward(torch.ones_like(y))
+        # autograd dropped its saved tensors; the two pending W's keep x, the relu output and the
+        # two layers' output gradients
+        assert meter.live == 4 * 64 * kib
+        STORE.run("w")
+        assert meter.live == 0 and meter.peak == 4 * 64 * kib
