@@ -109,7 +109,7 @@ def test_zbv_bubble_is_within_a_third_of_1f1b(p):
         assert (zbv.makespan - m * 3) <= 0.35 * (one.makespan - m * 3), (p, m, zbv.makespan, one.makespan)
 
 
-def test_a_zbv_w_before_its_b_and_a_forward_out_of_order_are_caught():
+def test_a_zbv_w_before_its_b_a_forward_out_of_order_and_the_memory_bound_are_caught():
     schedule = zero_bubble_v(2, 4)
     actions = list(schedule.ranks[1])
     actions.remove(Action(W, 1, 0))
@@ -120,6 +120,13 @@ def test_a_zbv_w_before_its_b_and_a_forward_out_of_order_are_caught():
     swapped[0], swapped[1] = swapped[1], swapped[0]  # F1 before F0 of chunk 0: messages out of order
     with pytest.raises(InvalidSchedule, match=r"rank 0 position 0: F1 runs before micro-batch 0's"):
         check_schedule(_replace(schedule, 0, swapped))
+    # rank 0 runs every chunk-0 forward before its first backward: 5 chunk micro-batches in flight > 2p = 4
+    eager = [Action(F, 0, i) for i in range(4)] + [a for a in schedule.ranks[0] if a not in
+                                                   [Action(F, 0, i) for i in range(4)]]
+    check_schedule(_replace(schedule, 0, eager))  # valid without the bound
+    with pytest.raises(InvalidSchedule, match=r"rank 0 position \d+: after F\d@1 it holds 5 micro-batches' "
+                                              r"activations, over the bound 4"):
+        check_schedule(_replace(schedule, 0, eager), max_in_flight=[4, 4])
 
 
 @pytest.mark.parametrize("p, m", [(2, 4), (3, 7), (4, 8)])

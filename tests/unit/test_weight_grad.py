@@ -1,5 +1,7 @@
 """Split backward (megazero.tensor_parallel.weight_grad): B then W equals the fused backward bit for
-bit, equals F.linear's autograd, and W reaches the parameters through autograd (their hooks fire)."""
+bit, equals F.linear's autograd, and W reaches the parameters through autograd (their hooks fire);
+the GPT and the Llama defer every linear layer's W, the tied output layer's included; the peak
+activation meter counts what a pending W keeps."""
 
 from __future__ import annotations
 
@@ -80,3 +82,37 @@ def test_peak_activation_meter_counts_saved_tensors_and_pending_w_inputs():
         assert meter.live == 4 * 64 * kib
         STORE.run("w")
         assert meter.live == 0 and meter.peak == 4 * 64 * kib
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_the_models_defer_every_linear_weight_gradient_the_tied_output_layer_included(family):
+    """In a zero-bubble schedule's B, the GPT's (and the tied Llama's) attention, MLP and output layer
+    file their W; the tied embedding's gradient then holds the lookup's part alone until the W runs,
+    and B then W equals the fused backward."""
+    from models.gpt import GPT, GPTConfig
+    from models.llama import Llama, LlamaConfig
+
+    shape = dict(vocab_size=64, seq_length=8, num_layers=2, hidden_size=32, num_attention_heads=4, dropout=0.0)
+    model_class, config = (GPT, GPTConfig(**shape)) if family == "gpt" else \
+        (Llama, LlamaConfig(**shape, untie_embeddings_and_output_weights=False, fused_kernels=False))
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    grads = {}
+    for mode in ("fused", "split"):
+        torch.manual_seed(0)
+        model = model_class(config)
+        with splittable():
+            loss = model(ids[:, :-1], labels=ids[:, 1:])
+        if mode == "split":
+            with deferring("k"):
+                loss.backward()
+            # per layer: qkv, attention out, MLP in and out (the Llama's SwiGLU: gate, up, down)
+            linears = 4 if family == "gpt" else 5
+            assert len(STORE.pending["k"]) == linears * config.num_layers + 1  # + the output layer
+            lookup_only = model.wte.weight.grad.clone()
+            assert STORE.run("k") == linears * config.num_layers + 1
+            assert not torch.equal(lookup_only, model.wte.weight.grad)  # the output layer's part came with W
+        else:
+            loss.backward()
+        grads[mode] = {n: p.grad for n, p in model.named_parameters()}
+    for name, grad in grads["fused"].items():
+        torch.testing.assert_close(grads["split"][name], grad, rtol=0, atol=1e-6, msg=name)
