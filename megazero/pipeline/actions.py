@@ -147,36 +147,28 @@ def _zero_bubble_v_rank(p: int, m: int, r: int) -> list[Action]:
     order: list[Action] = []
     count = {(F, 0): 0, (F, 1): 0, (B, 0): 0, (B, 1): 0, (W, 0): 0, (W, 1): 0}
 
-    def add(kind: str, chunk: int) -> None:
-        order.append(Action(kind, chunk, count[(kind, chunk)]))
-        count[(kind, chunk)] += 1
+    def add(*steps: tuple[str, int]) -> None:
+        for kind, chunk in steps:  # each (kind, chunk): its next micro-batch
+            order.append(Action(kind, chunk, count[(kind, chunk)]))
+            count[(kind, chunk)] += 1
 
     for _ in range(2 * (p - r) - 1):
-        add(F, 0)
+        add((F, 0))
     for _ in range(r):
-        add(F, 1)
-        add(F, 0)
+        add((F, 1), (F, 0))
     for _ in range(p - r):
-        add(F, 1)
-        add(B, 1)
-        add(W, 1)
+        add((F, 1), (B, 1), (W, 1))
     while count[(F, 1)] < count[(F, 0)] or count[(F, 0)] < m:
         if count[(F, 0)] < m:
-            add(F, 0)
-        add(B, 0)
-        add(W, 0)
-        add(F, 1)
-        add(B, 1)
-        add(W, 1)
+            add((F, 0))
+        add((B, 0), (W, 0), (F, 1), (B, 1), (W, 1))
     for _ in range(r):
-        add(B, 0)
-        add(B, 1)
+        add((B, 0), (B, 1))
     for _ in range(p - r):
-        add(B, 0)
-        add(W, 0)
+        add((B, 0), (W, 0))
     for chunk in (1, 0):
         while count[(W, chunk)] < m:
-            add(W, chunk)
+            add((W, chunk))
     return order
 
 
