@@ -1,7 +1,9 @@
 """The engine's pipelined train and eval batches: this stage's part of the pipeline schedule
 (`pipeline.schedule`): 1F1B, interleaved when the module holds several model chunks in the loop
 layout (megazero.pipeline.ModelChunks), zb-h1 (1F1B's order, split backwards), zbv (two chunks in
-the V layout, run as data by megazero.pipeline.action_runner).
+the V layout). A schedule with split backwards whose forwards and backwards are not 1F1B's (zbv, or
+a new generator in megazero.pipeline.actions.SCHEDULES) runs as data on
+megazero.pipeline.action_runner.
 
 Every stage reads the same micro-batches; the first virtual stage feeds the inputs, later ones
 take HIDDEN_STATES from their predecessor (megazero.model_contract). The runner knows the engine
@@ -25,7 +27,7 @@ from megazero.pipeline.actions import forward_only as forward_only_schedule
 from megazero.pipeline.chunks import LOOP, MODEL_CHUNK, V, chunk_layout, chunk_place, chunk_stage, model_chunks
 from megazero.pipeline.interleaved import interleaved_one_f_one_b
 from megazero.pipeline.p2p import StageLinks, input_shapes
-from megazero.pipeline.schedule import one_f_one_b, run_in_1f1b_order
+from megazero.pipeline.schedule import in_1f1b_order, one_f_one_b, run_in_1f1b_order
 from megazero.precision import cast_floating
 from megazero.step_state import StepState
 from megazero.tensor_parallel.weight_grad import STORE, deferring, splittable
@@ -100,7 +102,7 @@ class PipelineRunner:
             schedule = SCHEDULES[name](self.grid.pipeline_model_parallel_size, num_microbatches)
             check_schedule(schedule)
             self._schedules[key] = schedule
-            if schedule.layout == V:
+            if not in_1f1b_order(schedule):  # run by the action runner: its exchanges planned once
                 self._rounds[key] = exchange_rounds(schedule)[self.grid.pp_rank]
         return self._schedules[key]
 
@@ -164,11 +166,11 @@ class PipelineRunner:
 
         stage, stages, micro = grid.pp_rank, grid.pipeline_model_parallel_size, len(batches)
         forward_only = backward_step is None
-        if layout == V:
+        if layout == V or split is not None and not in_1f1b_order(split):  # any schedule, as data
             schedule = forward_only_schedule(stages, micro, num_chunks, layout) if forward_only else split
-            rounds = None if forward_only else self._rounds[(split.name, micro)]
+            rounds = None if forward_only else self._rounds[(self.config.pipeline.schedule, micro)]
             run_actions(schedule, stage, links, grid.pp_ranks, forward_step, backward_step, self._weights, rounds)
-        elif split is not None:
+        elif split is not None:  # zb-h1: 1F1B's messages, its W's where 1F1B waits
             run_in_1f1b_order(split, stage, links, lambda m, x: forward_step(0, m, x),
                               lambda m, y, g: backward_step(0, m, y, g), lambda m: self._weights(0, m))
         elif num_chunks > 1:

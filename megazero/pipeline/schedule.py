@@ -62,6 +62,15 @@ def one_f_one_b(num_microbatches: int, stage: int, num_stages: int, links: Stage
     links.flush()
 
 
+def in_1f1b_order(schedule: Schedule) -> bool:
+    """Whether every rank of `schedule` runs its F and B actions in 1F1B's order (one chunk), the
+    messages run_in_1f1b_order posts."""
+    if schedule.num_chunks != 1:
+        return False
+    expected = actions.one_f_one_b(schedule.num_stages, schedule.num_microbatches).ranks
+    return all([a for a in order if a.kind != W] == one for order, one in zip(schedule.ranks, expected))
+
+
 def _weights_after(schedule: Schedule, stage: int) -> dict[int, list[int]]:
     """{index among the rank's F and B actions: the micro-batches of the W actions right after it};
     ValueError unless its F and B run in 1F1B's order."""

@@ -5,7 +5,8 @@ relative and weights within 2e-5, with weight gradients deferred to W's:
   GPT; the Llama at ZeRO-0); virtual stages are refused by name;
 - zbv (two chunks per stage in a V): PP=2 at ZeRO-1 (its checkpoint continues under 1f1b), TP=2 +
   SP x PP=2 at ZeRO-2 with full recomputation, a MoE GPT, and PP=4 in strict p2p mode (the order
-  NCCL needs)."""
+  NCCL needs);
+- a new generator (GPipe's order with split backwards) runs on the action runner as well."""
 
 from __future__ import annotations
 
@@ -90,6 +91,34 @@ def test_zbv_with_tp_sp_recompute_zero2_and_with_moe_matches_single_process(pool
     for rank, result in enumerate(pools(2).run(run_pipeline, _config("zbv", 1), token_dataset_prefix_module, moe,
                                                (1, 2))):
         _assert_matches(one, result, f"MoE gpt PP=2 zbv rank {rank}")
+
+
+def gpipe_split(p: int, m: int):
+    """A schedule no runner was written for: every forward, then every backward, each W right after
+    its B (GPipe's order)."""
+    from megazero.pipeline.actions import LOOP, Action, B, F, Schedule, W
+
+    order = [Action(F, 0, i) for i in range(m)] + [a for i in range(m) for a in (Action(B, 0, i), Action(W, 0, i))]
+    return Schedule("gpipe", p, m, 1, LOOP, [list(order) for _ in range(p)])
+
+
+def with_new_generator(config: dict, prefix: str, model: dict) -> dict:
+    """run_pipeline with gpipe_split generating the schedule the config names."""
+    from megazero.pipeline import actions
+
+    actions.SCHEDULES[config["pipeline"]["schedule"]] = gpipe_split
+    try:
+        return run_pipeline(config, prefix, model, (1, 2))
+    finally:
+        actions.SCHEDULES[config["pipeline"]["schedule"]] = actions.zero_bubble_h1
+
+
+def test_a_new_schedule_is_a_generator_function(pools, references, token_dataset_prefix_module):
+    """A generator whose order is neither 1F1B's nor a V runs on the action runner, as the single process."""
+    for rank, result in enumerate(pools(2).run(with_new_generator, _config("zb-h1"), token_dataset_prefix_module,
+                                               MODEL)):
+        _assert_matches(references["gpt"], result, f"gpipe order with split backward, rank {rank}")
+        assert result["weight_jobs"] > 0
 
 
 def strict_zbv(config: dict, prefix: str, model: dict) -> dict:
