@@ -5,7 +5,7 @@ relative and weights within 2e-5, with weight gradients deferred to W's:
   GPT; the Llama at ZeRO-0); virtual stages are refused by name;
 - zbv (two chunks per stage in a V): PP=2 at ZeRO-1 (its checkpoint continues under 1f1b), TP=2 +
   SP x PP=2 at ZeRO-2 with full recomputation, a MoE GPT, and PP=4 in strict p2p mode (the order
-  NCCL needs);
+  NCCL needs); in bf16 and fp16 its losses are 1F1B's (1e-3);
 - a new generator (GPipe's order with split backwards) runs on the action runner as well."""
 
 from __future__ import annotations
@@ -119,6 +119,18 @@ def test_a_new_schedule_is_a_generator_function(pools, references, token_dataset
                                                MODEL)):
         _assert_matches(references["gpt"], result, f"gpipe order with split backward, rank {rank}")
         assert result["weight_jobs"] > 0
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_zbv_in_low_precision_equals_1f1b(pools, token_dataset_prefix_module, precision):
+    """bf16, and fp16 with its dynamic loss scale: zbv's losses are 1F1B's at PP=2 (the W's gradients
+    unscaled and clipped with the B's), with the same steps skipped."""
+    extra = {"bf16": {"enabled": True}} if precision == "bf16" else {"fp16": {"enabled": True,
+                                                                            "initial_scale_power": 12}}
+    runs = {schedule: pools(2).run(train, {**_config(schedule, 1), **extra}, token_dataset_prefix_module, 5, 0, None,
+                                   None, None, MODEL, (1, 2))[0] for schedule in ("1f1b", "zbv")}
+    assert runs["zbv"]["losses"] == pytest.approx(runs["1f1b"]["losses"], rel=1e-3)
+    assert runs["zbv"]["skipped"] == runs["1f1b"]["skipped"]
 
 
 def strict_zbv(config: dict, prefix: str, model: dict) -> dict:
