@@ -156,11 +156,12 @@ def render_bubbles(r: dict) -> str:
             return f"DP={r['world']}, batch {row.get('batch')}"
         schedule = row.get("schedule", "1f1b")
         return (f"PP={row['pp']}, m={row['micro_batches']}, v={row.get('chunks')} "
-                f"({row.get('split')}, {row.get('transport')}{'' if schedule == '1f1b' else ', ' + schedule})")
+                f"({row.get('split')}, {row.get('transport')}{'' if schedule == '1f1b' else ', ' + schedule}"
+                f"{', a shape header on every message' if row.get('headers') else ''})")
     cols = [Col("tokens/s", "tokens_per_s"), Col("vs DP", "ratio_to_dp", ratio),
             Col("blocked in p2p (mean)", "bubble_measured", ratio),
             Col("(p-1)/(vm+p-1)", "theory_fraction_of_step", ratio),
-            Col("formula with measured F, B, W", "theory_with_measured_costs", ratio),
+            Col("bubble from measured F, B, W (fraction)", "theory_with_measured_costs", ratio),
             Col("peak activations MB per rank", "activation_peak_mb_per_rank", lambda v: num(v, 1)),
             Col("busy s/step per rank", "busy_s_per_step", lambda v: num(v, 2))]
     return rows_table(r["rows"], cols, "layout", {n: label(n, row) for n, row in r["rows"].items()})
@@ -363,8 +364,10 @@ SECTIONS = [
     Section("parallel_bubbles_pp2", "Pipeline bubbles, PP=2", "bench_parallel.py",
             "PP=2 with m = 4, 8, 16 micro-batches, plain 1F1B, zero-bubble ZB-H1 and ZBV, and interleaved, next to "
             "DP=2 on the same global batch: the time blocked in p2p exchanges against (p - 1) / (vm + p - 1) and, for "
-            "v=1 and ZBV, against the bubble with the row's measured F, B and W times (1F1B (p-1)(F+B+W), ZB-H1 "
-            "(p-1)(F+B-W), ZBV its schedule simulated), and each rank's peak activation memory.", render_bubbles,
+            "v=1 and ZBV, against the bubble with the row's measured F, B and W times, as a fraction of the step "
+            "(1F1B's idle time (p-1)(F+B+W), ZB-H1's (p-1)(F+B-W), each over the step's m(F+B+W) plus it, so 1F1B's "
+            "is (p-1)/(m+p-1) whatever the costs; ZBV its schedule simulated), and each rank's peak activation "
+            "memory.", render_bubbles,
             how="--bubbles 2"),
     Section("parallel_bubbles_pp4", "Pipeline bubbles, PP=4", "bench_parallel.py",
             "The same at PP=4 on 4 processes.", render_bubbles, how="--bubbles 4"),

@@ -126,20 +126,21 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
 
 def _check_model_parallel(grid, config: EngineConfig) -> None:
     if grid is None or grid.pipeline_model_parallel_size == 1:
+        if config.pipeline.schedule != "1f1b":
+            warnings.warn(f"pipeline.schedule {config.pipeline.schedule} has no effect without pipeline parallelism "
+                          f"(pipeline_model_parallel_size 1)", stacklevel=3)
         return
     if config.zero_optimization.stage == 3:
         raise ConfigError(f"zero_optimization.stage 3 with pipeline_model_parallel_size "
                           f"{grid.pipeline_model_parallel_size}: ZeRO-3 is not supported with pipeline "
                           f"parallelism; use stage 1 or 2")
     schedule, pp = config.pipeline.schedule, grid.pipeline_model_parallel_size
-    if schedule in ("zb-h1", "zbv") and config.pipeline.num_layers_per_virtual_stage is not None:
-        chunks = "one model chunk" if schedule == "zb-h1" else "two model chunks in a V"
-        raise ConfigError(f"pipeline.schedule {schedule} runs {chunks} per stage: unset "
-                          f"pipeline.num_layers_per_virtual_stage (--num-layers-per-virtual-pipeline-stage), or use "
-                          f"1f1b for the interleaved schedule")
     if schedule == "zbv" and config.gradient_accumulation_steps < 2 * pp:
         raise ConfigError(f"pipeline.schedule zbv needs at least 2 x {pp} stages = {2 * pp} micro-batches per step, "
-                          f"got gradient_accumulation_steps {config.gradient_accumulation_steps}")
+                          f"got gradient_accumulation_steps {config.gradient_accumulation_steps} (train_batch_size "
+                          f"{config.train_batch_size} / (micro-batch {config.train_micro_batch_size_per_gpu} x "
+                          f"data-parallel ranks)): lower the micro-batch size (--micro-batch-size) or raise the "
+                          f"global batch (--global-batch-size)")
     if config.gradient_accumulation_steps < grid.pipeline_model_parallel_size:
         warnings.warn(f"gradient_accumulation_steps {config.gradient_accumulation_steps} (the pipeline's "
                       f"micro-batches) < {grid.pipeline_model_parallel_size} stages: most of each step is "

@@ -213,11 +213,13 @@ def _layer_range(layers: range) -> str:
     return f"{layers.start}" if last == layers.start else f"{layers.start}-{last}"
 
 
-def pipeline_split(model: torch.nn.Module, grid, method: str, transport: str | None = None) -> str:
+def pipeline_split(model: torch.nn.Module, grid, method: str, transport: str | None = None,
+                   schedule: str = "1f1b") -> str:
     """At PP > 1, the line that says how the layers were split and how messages travel (a
     collective over each pipeline): each stage's layers (inclusive), or with v model chunks each
     stage's chunks, e.g. "pipeline: 2 stages x 2 model chunks, split measured: layers [0-3, 9-13 |
-    4-8, 14-15], p2p through shared memory"; "" at PP = 1. `transport`: pipeline.p2p_transport."""
+    4-8, 14-15], p2p through shared memory"; the schedule where it is not 1f1b ("pipeline: 2
+    stages, schedule zb-h1, ..."); "" at PP = 1. `transport`: pipeline.p2p_transport."""
     from megazero.pipeline.chunks import ModelChunks
     from megazero.pipeline.p2p import choose_transport
 
@@ -235,6 +237,8 @@ def pipeline_split(model: torch.nn.Module, grid, method: str, transport: str | N
     shape = f"{stages} stages x {len(chunks)} model chunks" if len(chunks) > 1 else f"{stages} stages"
     if isinstance(model, ModelChunks) and model.layout != "loop":
         shape += f" in a {model.layout.upper()}"
+    if schedule != "1f1b":
+        shape += f", schedule {schedule}"
     ways = {w for _, w in everyone}
     p2p = "shared memory" if ways == {"shm"} else "the process group" if ways == {"backend"} else \
         "shared memory and the process group"

@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(training.header(engine, grid, "BERT", num_params,
                               f"{len(data.train):,} training samples, {config.binary_head} head"), flush=True)
     training.publish_run_config(run, engine, rank)
-    split = training.pipeline_split(model, grid, pipeline["partition_method"], engine.config.pipeline.p2p_transport)
+    split = training.pipeline_split(model, grid, pipeline["partition_method"], engine.config.pipeline.p2p_transport,
+                                   engine.config.pipeline.schedule)
     if rank == 0 and split:
         print(split, flush=True)
 

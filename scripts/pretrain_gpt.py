@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(training.header(engine, grid, "GPT", num_params, f"peak {peak / 1e9:.1f} GFLOP/s per rank", active),
               flush=True)
     training.publish_run_config(run, engine, rank)
-    split = training.pipeline_split(model, grid, pipeline["partition_method"], engine.config.pipeline.p2p_transport)
+    split = training.pipeline_split(model, grid, pipeline["partition_method"], engine.config.pipeline.p2p_transport,
+                                   engine.config.pipeline.schedule)
     if rank == 0 and split:
         print(split, flush=True)
 

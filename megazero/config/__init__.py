@@ -337,9 +337,10 @@ class PipelineConfig(Section):
     # zb-h1 and zbv (Qi et al. 2024): each backward split into B (input gradients) and W (weight
     # gradients, megazero.tensor_parallel.weight_grad); zb-h1 keeps 1F1B's order and memory with the
     # W's where 1F1B waits, zbv runs two chunks per stage in a V (megazero.pipeline.actions)
-    schedule: Literal["1f1b", "zb-h1", "zbv"] = Field(
+    schedule: Literal["1f1b", "interleaved", "zb-h1", "zbv"] = Field(
         "1f1b", description="the pipeline schedule (--pipeline-schedule): 1f1b (interleaved when the stages "
-                            "hold several model chunks), zb-h1 (zero-bubble H1: backward split into input "
+                            "hold several model chunks), interleaved (1f1b that requires them: "
+                            "num_layers_per_virtual_stage), zb-h1 (zero-bubble H1: backward split into input "
                             "and weight gradients, the weight gradients filling 1F1B's bubbles; one chunk "
                             "per stage), or zbv (zero-bubble V: two model chunks per stage, the first stage "
                             "holding the first and the last; at least 2 x PP micro-batches); ZeRO 0-2")
@@ -348,6 +349,20 @@ class PipelineConfig(Section):
                             "with CPU tensors (2 x 64 MiB of /dev/shm per link), else the process group; "
                             "backend: the process group; shm: shared memory or an error. "
                             "$MEGAZERO_P2P_TRANSPORT overrides it")
+
+    @model_validator(mode="after")
+    def _schedule_chunks(self) -> PipelineConfig:
+        chunks = self.num_layers_per_virtual_stage
+        if self.schedule in ("zb-h1", "zbv") and chunks is not None:
+            what = "one model chunk" if self.schedule == "zb-h1" else "two model chunks in a V"
+            raise config_error(f"'{{where}}schedule'={self.schedule!r} runs {what} per stage: unset '{{path}}' "
+                               f"(--num-layers-per-virtual-pipeline-stage), or use 1f1b (or interleaved) for the "
+                               f"interleaved schedule", "num_layers_per_virtual_stage")
+        if self.schedule == "interleaved" and chunks is None:
+            raise config_error("'{where}schedule'='interleaved' needs '{path}' "
+                               "(--num-layers-per-virtual-pipeline-stage): the layers of each model chunk",
+                               "num_layers_per_virtual_stage")
+        return self
 
 
 # an engine key, not a model one: megazero.tensor_parallel.invariant_dropout's docstring says why.

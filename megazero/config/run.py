@@ -45,10 +45,11 @@ class ParallelSection(RunSection):
     num_layers_per_virtual_pipeline_stage: int | None = Field(
         None, ge=1, description="interleaved 1F1B: each stage holds num_layers / (PP x this) model chunks "
                                 "(engine key pipeline.num_layers_per_virtual_stage)")
-    pipeline_schedule: Literal["1f1b", "zb-h1", "zbv"] | None = Field(
-        None, description="1f1b (interleaved with virtual stages), zb-h1 (zero-bubble: backward split into "
-                          "input and weight gradients) or zbv (zero-bubble V: two model chunks per stage) "
-                          "(engine key pipeline.schedule; default 1f1b)")
+    pipeline_schedule: Literal["1f1b", "interleaved", "zb-h1", "zbv"] | None = Field(
+        None, description="1f1b (interleaved with virtual stages), interleaved (needs "
+                          "--num-layers-per-virtual-pipeline-stage), zb-h1 (zero-bubble: backward split into "
+                          "input and weight gradients) or zbv (zero-bubble V: two model chunks per stage, at "
+                          "least 2 x PP micro-batches) (engine key pipeline.schedule; default 1f1b)")
     pipeline_partition_method: Literal["parameters", "compute", "measured"] | None = Field(
         None, description="which layers each stage holds: balanced by parameters, forward FLOPs or measured time "
                           "(engine key pipeline.partition_method; default parameters)")

@@ -158,15 +158,19 @@ def test_zbv_at_four_stages_in_strict_p2p_matches_single_process(pools, token_da
 
 
 def refusals(prefix: str) -> list[str]:
-    """The messages of zb-h1 with virtual stages, of zbv with fewer than 2p micro-batches, and of a
-    zbv config given a model built for 1F1B (the recipes print them)."""
+    """The messages of zb-h1 with virtual stages, of zbv with fewer than 2p micro-batches, of
+    interleaved without its chunks ("accepted" with them), and of a zbv config given a model built
+    for 1F1B (the recipes print them)."""
     from megazero import initialize
     from megazero.config import ConfigError
     from tests.training_helpers import LAYERS_PER_VIRTUAL_STAGE
 
     messages = []
-    attempts = [({**_config("zb-h1"), "pipeline": {"schedule": "zb-h1", "num_layers_per_virtual_stage": 1}},
-                 {**MODEL, LAYERS_PER_VIRTUAL_STAGE: 1}), ({**_config("zbv"), "train_batch_size": 4}, MODEL)]
+    virtual = {**MODEL, LAYERS_PER_VIRTUAL_STAGE: 1}
+    attempts = [({**_config("zb-h1"), "pipeline": {"schedule": "zb-h1", "num_layers_per_virtual_stage": 1}}, virtual),
+                ({**_config("zbv"), "train_batch_size": 4}, MODEL), (_config("interleaved"), MODEL),
+                ({**_config("interleaved"), "pipeline": {"schedule": "interleaved", "num_layers_per_virtual_stage": 1}},
+                 virtual)]
     for config, model in attempts:
         try:
             build_engine(config, prefix, 0, model, (1, 2))
@@ -183,9 +187,11 @@ def refusals(prefix: str) -> list[str]:
 
 
 def test_zero_bubble_refusals_name_the_setting(pools, token_dataset_prefix_module):
-    virtual, few, layout = pools(2).run(refusals, token_dataset_prefix_module)[0]
-    assert "pipeline.schedule zb-h1 runs one model chunk per stage" in virtual
+    virtual, few, interleaved, named, layout = pools(2).run(refusals, token_dataset_prefix_module)[0]
+    assert "'pipeline.schedule'='zb-h1' runs one model chunk per stage" in virtual
     assert "pipeline.schedule zbv needs at least 2 x 2 stages = 4 micro-batches per step, got " \
-           "gradient_accumulation_steps 2" in few
+           "gradient_accumulation_steps 2" in few and "lower the micro-batch size (--micro-batch-size)" in few
+    assert "'pipeline.schedule'='interleaved' needs 'pipeline.num_layers_per_virtual_stage'" in interleaved
+    assert named == "accepted"  # interleaved by name, with its chunks
     assert "zbv runs (and only zbv runs) two chunks per stage in the v layout" in layout
     assert "pipeline_schedule='zbv'" in layout
