@@ -92,7 +92,7 @@ def test_the_models_defer_every_linear_weight_gradient_the_tied_output_layer_inc
     from models.gpt import GPT, GPTConfig
     from models.llama import Llama, LlamaConfig
 
-    shape = dict(vocab_size=64, seq_length=8, num_layers=2, hidden_size=32, num_attention_heads=4, dropout=0.0)
+    shape = dict(vocab_size=64, seq_length=8, num_layers=2, hidden_size=32, num_attention_heads=4, dropout=0.1)
     model_class, config = (GPT, GPTConfig(**shape)) if family == "gpt" else \
         (Llama, LlamaConfig(**shape, untie_embeddings_and_output_weights=False, fused_kernels=False))
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
